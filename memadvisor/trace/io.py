@@ -1,0 +1,141 @@
+"""Reading and writing trace files (Parquet through pyarrow).
+
+Every way a file can be wrong -- missing, not Parquet, truncated, not a memadvisor trace,
+written by a newer memadvisor, missing columns -- becomes one ``TraceError`` with a
+one-line message the CLI prints as is.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import (
+    COLUMNS, COLUMN_NAMES, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY, TraceMeta,
+)
+
+
+class TraceError(Exception):
+    """A trace file cannot be used; the message is one line meant for the user."""
+
+
+@dataclass
+class Trace:
+    """A loaded trace: ``events`` (one row per event, ordered by ``seq``) and ``meta``."""
+
+    events: pd.DataFrame
+    meta: TraceMeta
+    path: str = ""
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+def _arrow_array(name: str, values: Sequence[Any]) -> pa.Array:
+    kind = COLUMNS[name][0]
+    if kind == "dict":
+        return pa.array(values, type=pa.string()).dictionary_encode()
+    return pa.array(values, type=getattr(pa, kind)())
+
+
+def events_table(columns: Mapping[str, Sequence[Any]]) -> pa.Table:
+    """Build the events table from plain per-column sequences (all columns required)."""
+    missing = [c for c in COLUMN_NAMES if c not in columns]
+    if missing:
+        raise ValueError(f"event columns missing: {', '.join(missing)}")
+    return pa.table({name: _arrow_array(name, columns[name]) for name in COLUMN_NAMES})
+
+
+def _table_from_frame(events: pd.DataFrame) -> pa.Table:
+    arrays = {}
+    for name in COLUMN_NAMES:
+        column = events[name]
+        if COLUMNS[name][0] == "dict":
+            arrays[name] = pa.array(column.astype(str), type=pa.string()).dictionary_encode()
+        else:
+            arrays[name] = pa.array(column.to_numpy(), type=getattr(pa, COLUMNS[name][0])())
+    return pa.table(arrays)
+
+
+def write_trace(path: str | os.PathLike, events: pa.Table | pd.DataFrame,
+                meta: TraceMeta) -> Path:
+    """Write atomically: a crash while writing never leaves a half file under ``path``."""
+    path = Path(path)
+    table = events if isinstance(events, pa.Table) else _table_from_frame(events)
+    meta_json = json.dumps(meta.to_dict(), default=str).encode()
+    table = table.replace_schema_metadata({METADATA_KEY: meta_json})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+    return path
+
+
+def read_meta(path: str | os.PathLike) -> TraceMeta:
+    """Read only the metadata (cheap: the footer)."""
+    path = Path(path)
+    _check_exists(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path}: not a readable trace file ({_first_line(exc)})") from None
+    return _meta_from_schema(path, schema)
+
+
+def read_trace(path: str | os.PathLike) -> Trace:
+    path = Path(path)
+    meta = read_meta(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path}: trace file is damaged ({_first_line(exc)})") from None
+    missing = [c for c in COLUMN_NAMES if c not in table.column_names]
+    if missing:
+        raise TraceError(f"{path}: trace lacks columns {', '.join(missing)}")
+    events = table.select(list(COLUMN_NAMES)).to_pandas()
+    return Trace(events=events, meta=meta, path=str(path))
+
+
+def _check_exists(path: Path) -> None:
+    if not path.exists():
+        raise TraceError(f"{path}: no such trace file")
+    if path.is_dir():
+        raise TraceError(f"{path}: is a directory, not a trace file")
+    if path.stat().st_size == 0:
+        raise TraceError(f"{path}: trace file is empty")
+
+
+def _meta_from_schema(path: Path, schema: pa.Schema) -> TraceMeta:
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise TraceError(f"{path}: a Parquet file, but not a memadvisor trace")
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise TraceError(f"{path}: trace metadata is damaged") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise TraceError(f"{path}: not a memadvisor trace")
+    version = data.get("format_version")
+    if not isinstance(version, int):
+        raise TraceError(f"{path}: trace has no format version")
+    if version > FORMAT_VERSION:
+        raise TraceError(
+            f"{path}: trace format version {version} is newer than this memadvisor reads "
+            f"({FORMAT_VERSION}); upgrade memadvisor")
+    return TraceMeta.from_dict(_upgrade(data))
+
+
+def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """Adapt metadata of older format versions to the current one (none yet: v1 is first)."""
+    return data
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
