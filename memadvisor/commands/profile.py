@@ -1,0 +1,62 @@
+"""`memadvisor profile SCRIPT [options] -- ARGS`"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..units import format_bytes
+
+
+def _progress(info: dict) -> None:
+    total = info["steps_requested"]
+    done = info["steps_done"]
+    of = f"/{total}" if total else ""
+    click.echo(f"memadvisor: step {done}{of} done; live {format_bytes(info['live_bytes'])}, "
+               f"peak so far {format_bytes(info['peak_bytes'])}", err=True)
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@click.argument("script", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("-o", "--output", default=None,
+              help="Trace file to write (default: SCRIPT's name with .trace). "
+                   "Under torchrun, rank R>0 writes NAME.rankR.trace.")
+@click.option("--steps", default=3, show_default=True, type=click.IntRange(min=0),
+              help="Stop the script after this many training steps (0: let it finish).")
+@click.option("--timeout", "timeout_s", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Give up when a step takes longer than this many seconds.")
+@click.option("--step-boundary", type=click.Choice(["auto", "optimizer", "backward"]),
+              default="auto", show_default=True,
+              help="What ends a step: a torch.optim step, or each backward (manual updates).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines.")
+def command(script, script_args, output, steps, timeout_s, step_boundary, quiet):
+    """Run SCRIPT (as `python SCRIPT ARGS` would) for a few steps and record a memory trace.
+
+    Put the script's own arguments after `--`:
+
+        memadvisor profile train.py -o run.trace --steps 3 -- --batch-size 32
+    """
+    from pathlib import Path
+
+    from ..profile import profile_script
+
+    output = output or f"{Path(script).stem}.trace"
+    result = profile_script(script, list(script_args), output, steps=steps or None,
+                            timeout_s=timeout_s, step_boundary=step_boundary,
+                            on_step=None if quiet else _progress)
+    sys.stdout.flush()
+    where = f"{result.trace_path} ({result.events:,} events, {result.steps_completed} steps, " \
+            f"peak {format_bytes(result.peak_bytes)})"
+    if result.status == "completed":
+        click.echo(f"memadvisor: wrote {where}", err=True)
+        return 0
+    if result.status == "error":
+        rule = "-" * 72
+        click.echo(f"{rule}\nmemadvisor: the script failed after {result.steps_completed} "
+                   f"step(s): {result.error}\n{rule}\n{result.traceback.rstrip()}\n{rule}",
+                   err=True)
+    else:
+        click.echo(f"memadvisor: {result.status}: {result.error}", err=True)
+    click.echo(f"memadvisor: kept partial trace {where}", err=True)
+    return result.exit_code

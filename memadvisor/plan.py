@@ -1,0 +1,397 @@
+"""A memory plan: which techniques to apply to a training step, shared by simulate and apply.
+
+One plan is one choice per knob.  It is read from a compact ``key=value,...`` string
+(``precision=amp-bf16,checkpoint=auto,shard=zero3,world=8``) or from a JSON file holding
+the same keys, and validated here so that the simulator and the runtime refuse the same
+impossible combinations with the same words.  Lists (``offload``, module names for
+``checkpoint``) are joined with ``+`` in the compact form and are JSON lists in a file.
+
+Data split (the contract between ``simulate`` and ``apply``): the batch the script feeds
+to one forward/backward is the *global* batch of ``B`` samples.  With ``world=W`` ranks
+and ``accum=K``, rank ``r`` takes the contiguous slice ``[r*B/W, (r+1)*B/W)`` of every
+batch tensor and splits it into ``K`` equal micro-batches of ``B/(W*K)`` samples, so
+``B`` must be divisible by ``W*K``.  Each micro-batch's loss is scaled by ``1/K`` and the
+data-parallel reduction averages over the ``W`` ranks, so the gradient is the full
+batch's mean gradient and the training math is the single-process run's.
+
+Pure Python: no torch import (the simulator imports this module).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping
+
+from .errors import UserError
+
+PRECISIONS = ("fp32", "amp-fp16", "amp-bf16", "bf16")
+SHARDS = ("none", "ddp", "zero1", "zero2", "zero3")
+FSDP_SHARDS = ("zero2", "zero3")  #: realised with FSDP2 ``fully_shard``
+ZERO_SHARDS = ("zero1", "zero2", "zero3")
+OFFLOADS = ("optimizer", "params", "activations")
+OPTIMIZERS = ("keep", "sgd", "sgd-momentum", "adafactor", "adam8bit")
+KEYS = ("precision", "checkpoint", "accum", "shard", "world", "hybrid", "offload", "optimizer")
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+
+
+class PlanError(UserError, ValueError):
+    """A plan that cannot be read or cannot run, explained in one line."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """One memory plan.  The defaults are the unmodified script."""
+
+    precision: str = "fp32"
+    """fp32 | amp-fp16 (autocast + gradient scaling) | amp-bf16 (autocast) |
+    bf16 (parameters, gradients and optimizer state stored in bfloat16)."""
+    checkpoint: str | tuple[str, ...] = "none"
+    """none | auto (the model's repeated blocks, see ``auto_checkpoint_modules``) |
+    module paths (``blocks.0``) or class names (``Block``) to recompute in backward."""
+    accum: int = 1
+    """micro-batches per optimizer step; the batch is split, the effective batch is kept."""
+    shard: str = "none"
+    """none | ddp | zero1 (optimizer state sharded) | zero2 (+ gradients) | zero3 (+ parameters)."""
+    world: int = 1
+    """number of ranks (processes, one per GPU) the plan runs on."""
+    hybrid: int | None = None
+    """group size G: shard inside groups of G ranks, replicate across the world/G groups."""
+    offload: frozenset[str] = frozenset()
+    """subset of {optimizer, params, activations} kept in host memory."""
+    optimizer: str = "keep"
+    """keep | sgd | sgd-momentum | adafactor | adam8bit (needs bitsandbytes)."""
+
+    def __post_init__(self):
+        # normalise the forms a JSON file or a caller may use, then validate
+        if isinstance(self.checkpoint, (list, tuple)):
+            object.__setattr__(self, "checkpoint", tuple(str(c) for c in self.checkpoint))
+        if not isinstance(self.offload, frozenset):
+            object.__setattr__(self, "offload", frozenset(_as_list(self.offload, "offload")))
+        for problem in _static_problems(self):
+            raise PlanError(problem)
+
+    # --- reading and writing ----------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        """A compact ``key=value,...`` string, ``none``, or the path of a JSON file."""
+        text = text.strip()
+        if text.endswith(".json") or (os.path.isfile(text) and not "=" in text):
+            return cls.from_json_file(text)
+        if text in ("", "none", "default"):
+            return cls()
+        values: dict[str, str] = {}
+        for item in text.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep:
+                raise PlanError(f"plan item {item!r} is not key=value (keys: {', '.join(KEYS)})")
+            if key in values:
+                raise PlanError(f"plan sets {key!r} twice")
+            values[key] = value.strip()
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "Plan":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise PlanError(f"plan file {path} does not exist") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"cannot read plan file {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"plan file {path} must hold a JSON object of {', '.join(KEYS)}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        unknown = [k for k in data if k not in KEYS]
+        if unknown:
+            raise PlanError(f"unknown plan key {unknown[0]!r} (keys: {', '.join(KEYS)})")
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in ("accum", "world"):
+                kwargs[key] = _as_int(value, key, minimum=1)
+            elif key == "hybrid":
+                kwargs[key] = None if value in (None, "", "none") else _as_int(value, key, 1)
+            elif key == "checkpoint":
+                names = _as_list(value, key)
+                kwargs[key] = names[0] if names in (["none"], ["auto"]) else tuple(names)
+                if not names:
+                    kwargs[key] = "none"
+            elif key == "offload":
+                kwargs[key] = frozenset(n for n in _as_list(value, key) if n != "none")
+            else:
+                kwargs[key] = str(value).strip()
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["checkpoint"] = (list(self.checkpoint) if isinstance(self.checkpoint, tuple)
+                              else self.checkpoint)
+        data["offload"] = [o for o in OFFLOADS if o in self.offload]
+        return data
+
+    def to_compact(self) -> str:
+        """The canonical compact form: only what differs from the defaults, in KEYS order."""
+        default = Plan()
+        items = []
+        for key in KEYS:
+            value = getattr(self, key)
+            if value == getattr(default, key):
+                continue
+            if key == "checkpoint" and isinstance(value, tuple):
+                value = "+".join(value)
+            elif key == "offload":
+                value = "+".join(o for o in OFFLOADS if o in value)
+            items.append(f"{key}={value}")
+        return ",".join(items) or "none"
+
+    def __str__(self) -> str:
+        return self.to_compact()
+
+    # --- what the plan implies ----------------------------------------------------------
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.shard in FSDP_SHARDS
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks that share one copy of the sharded state (``world`` unless hybrid)."""
+        if self.shard not in ZERO_SHARDS:
+            return 1
+        return self.hybrid or self.world
+
+    @property
+    def needs_gpu(self) -> bool:
+        return self.precision == "amp-fp16" or bool(self.offload)
+
+    def micro_batch_size(self, batch_size: int) -> int:
+        """Samples in one micro-batch on one rank: ``B / (world * accum)``, or PlanError."""
+        parts = self.world * self.accum
+        if batch_size % parts or batch_size < parts:
+            how = " x ".join(p for p in (
+                f"{self.world} ranks" if self.world > 1 else "",
+                f"{self.accum} micro-batches" if self.accum > 1 else "") if p)
+            raise PlanError(
+                f"a batch of {batch_size} samples cannot be split evenly into {how}: "
+                f"the batch must be a multiple of {parts} (with a DataLoader, drop_last=True "
+                "avoids a short last batch)")
+        return batch_size // parts
+
+
+def _as_int(value: Any, key: str, minimum: int) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise PlanError(f"plan key {key} must be a whole number, got {value!r}") from None
+    if number < minimum:
+        raise PlanError(f"plan key {key} must be at least {minimum}, got {number}")
+    return number
+
+
+def _as_list(value: Any, key: str) -> list[str]:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split("+") if v.strip()]
+    if isinstance(value, Iterable):
+        return [str(v).strip() for v in value if str(v).strip()]
+    raise PlanError(f"plan key {key} must be a string or a list, got {value!r}")
+
+
+def _choices(key: str, value: Any, allowed: tuple[str, ...]) -> str | None:
+    if value not in allowed:
+        return f"plan key {key} must be one of {', '.join(allowed)}; got {value!r}"
+    return None
+
+
+def _static_problems(plan: Plan) -> Iterable[str]:
+    """Why a plan cannot run anywhere, first reason first."""
+    for key, allowed in (("precision", PRECISIONS), ("shard", SHARDS), ("optimizer", OPTIMIZERS)):
+        problem = _choices(key, getattr(plan, key), allowed)
+        if problem:
+            yield problem
+    if isinstance(plan.checkpoint, str):
+        if plan.checkpoint not in ("none", "auto"):
+            yield f"plan key checkpoint must be none, auto or module names; got {plan.checkpoint!r}"
+    else:
+        if not plan.checkpoint:
+            yield "plan key checkpoint lists no module names"
+        for name in plan.checkpoint:
+            if name in ("none", "auto") or not _MODULE_NAME.match(name):
+                yield (f"checkpoint entry {name!r} is not a module path (blocks.0) or a class "
+                       "name (Block); none and auto cannot be combined with names")
+    for name in sorted(plan.offload):
+        if name not in OFFLOADS:
+            yield f"offload entry {name!r} is not one of {', '.join(OFFLOADS)} (join them with +)"
+    for key in ("accum", "world"):
+        if not isinstance(getattr(plan, key), int) or getattr(plan, key) < 1:
+            yield f"plan key {key} must be a whole number of at least 1"
+
+    world, shard = plan.world, plan.shard
+    if shard == "none" and world > 1:
+        yield (f"world={world} needs a data-parallel mode: add shard=ddp, zero1, zero2 or zero3")
+    if shard != "none" and world == 1:
+        what = {"ddp": "replicate", "zero1": "shard the optimizer state",
+                "zero2": "shard gradients and optimizer state",
+                "zero3": "shard parameters, gradients and optimizer state"}[shard]
+        yield (f"shard={shard} with world=1 has no other rank to {what} with: "
+               "set world to the number of GPUs, or use shard=none")
+    if plan.hybrid is not None:
+        group = plan.hybrid
+        if shard not in ZERO_SHARDS:
+            yield f"hybrid={group} shards inside groups: it needs shard=zero1, zero2 or zero3"
+        elif group == 1:
+            yield "hybrid=1 shards over groups of one rank, which is plain replication: use shard=ddp"
+        elif group >= world:
+            yield (f"hybrid={group} needs world larger than the group: with world={world} "
+                   f"it is plain {shard}, drop hybrid")
+        elif world % group:
+            yield f"hybrid={group} must divide world={world} into equal groups"
+
+    offload = plan.offload
+    if "params" in offload and shard not in FSDP_SHARDS:
+        yield ("offload=params is realised by FSDP2's CPUOffloadPolicy: it needs shard=zero2 "
+               "or zero3 (world of at least 2)")
+    elif "params" in offload and "optimizer" not in offload:
+        yield ("offload=params also moves gradients and the optimizer step to the host "
+               "(FSDP2's CPUOffloadPolicy): write offload=optimizer+params")
+    if "optimizer" in offload and "params" not in offload and shard in FSDP_SHARDS:
+        yield (f"with shard={shard}, FSDP2 offloads optimizer state only together with the "
+               "parameter shards: write offload=optimizer+params")
+    if "optimizer" in offload and shard == "zero1":
+        yield ("offload=optimizer with shard=zero1 is not supported: ZeroRedundancyOptimizer "
+               "steps on the GPU; use zero2 or zero3 with offload=optimizer+params")
+
+    if plan.optimizer == "adafactor" and shard in FSDP_SHARDS:
+        yield (f"optimizer=adafactor with shard={shard}: torch.optim.Adafactor does not run on "
+               "FSDP2's DTensor shards (its factored statistics use in-place ops DTensor "
+               "refuses); use zero1 or another optimizer")
+    if plan.optimizer == "adam8bit" and shard in FSDP_SHARDS:
+        yield (f"optimizer=adam8bit with shard={shard}: bitsandbytes' 8-bit optimizers do not "
+               "support FSDP2's DTensor parameters; use zero1 or another optimizer")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Environment:
+    """What the machine that will run a plan offers (filled in by the runtime or the CLI)."""
+
+    device_type: str = "cpu"  #: where the model's parameters live: 'cpu', 'cuda', ...
+    bf16_supported: bool = True  #: torch.cuda.is_bf16_supported() on CUDA; True on CPU
+    fp16_supported: bool = False  #: float16 autocast with gradient scaling (CUDA)
+    bitsandbytes_available: bool = False
+
+
+def environment_problems(plan: Plan, env: Environment) -> list[str]:
+    """Why ``plan`` cannot run on ``env`` (empty when it can)."""
+    problems = []
+    on_gpu = env.device_type == "cuda"
+    if plan.precision == "amp-fp16" and not (on_gpu and env.fp16_supported):
+        problems.append(
+            f"precision=amp-fp16 needs a CUDA GPU (float16 autocast with gradient scaling); "
+            f"the model is on {env.device_type}: use amp-bf16 there")
+    if plan.precision in ("amp-bf16", "bf16") and not env.bf16_supported:
+        problems.append(f"precision={plan.precision}: this {env.device_type} device has no "
+                        "bfloat16 support; use amp-fp16")
+    if plan.offload and not on_gpu:
+        problems.append(
+            f"offload={'+'.join(sorted(plan.offload))} moves GPU memory to the host, but the "
+            f"model is on {env.device_type}: there is no GPU to offload from")
+    if plan.optimizer == "adam8bit" and not env.bitsandbytes_available:
+        problems.append("optimizer=adam8bit needs bitsandbytes: pip install bitsandbytes")
+    return problems
+
+
+# --- which modules a plan touches (shared so simulate predicts what apply does) -------------
+@dataclass(frozen=True, slots=True)
+class ModuleEntry:
+    path: str  #: 'blocks.3' ('' is the root)
+    type: str  #: class name
+    total_parameter_count: int  #: including children
+
+
+def module_entries(modules: Iterable[Any]) -> list[ModuleEntry]:
+    """Accepts ModuleEntry, the trace's ModuleInfo (or its dict), or (path, type, count)."""
+    entries = []
+    for m in modules:
+        if isinstance(m, ModuleEntry):
+            entries.append(m)
+        elif isinstance(m, Mapping):
+            count = m.get("total_parameter_count", m.get("total_parameter_bytes", 0))
+            entries.append(ModuleEntry(m["path"], m["type"], int(count)))
+        elif isinstance(m, tuple):
+            entries.append(ModuleEntry(*m))
+        else:
+            count = getattr(m, "total_parameter_count", getattr(m, "total_parameter_bytes", 0))
+            entries.append(ModuleEntry(m.path, m.type, int(count)))
+    return entries
+
+
+def repeated_blocks(modules: Iterable[Any]) -> list[str]:
+    """The model's repeated blocks: the largest group of same-class siblings in a container.
+
+    A group is the children of one ModuleList/Sequential (children named 0, 1, ...) that
+    share a class and have parameters; the group holding the most parameters wins (ties:
+    the shallowest, then the first).  These are FSDP's sharding units for zero2/zero3.
+    """
+    entries = module_entries(modules)
+    groups: dict[tuple[str, str], list[ModuleEntry]] = {}
+    for m in entries:
+        parent, _, leaf = m.path.rpartition(".")
+        if m.path and leaf.isdigit() and m.total_parameter_count > 0:
+            groups.setdefault((parent, m.type), []).append(m)
+    best: tuple | None = None
+    for order, ((parent, _), members) in enumerate(groups.items()):
+        if len(members) < 2:
+            continue
+        key = (sum(m.total_parameter_count for m in members),
+               -(parent.count(".") + bool(parent)), -order)
+        if best is None or key > best[0]:
+            best = (key, [m.path for m in members])
+    return best[1] if best else []
+
+
+def auto_checkpoint_modules(modules: Iterable[Any]) -> list[str]:
+    """What ``checkpoint=auto`` recomputes: each repeated block, or, when the repeated
+    units are single layers (``Sequential(Linear, ReLU, Linear, ...)``, where wrapping one
+    Linear saves nothing), their container as one segment ('' = the whole model)."""
+    entries = module_entries(modules)
+    blocks = repeated_blocks(entries)
+    if not blocks:
+        return []
+    paths = [m.path for m in entries]
+    is_leaf = all(not any(p.startswith(b + ".") for p in paths) for b in blocks)
+    if is_leaf:
+        return [blocks[0].rpartition(".")[0]]
+    return blocks
+
+
+def resolve_checkpoint(plan: Plan, modules: Iterable[Any]) -> list[str]:
+    """Module paths ``plan.checkpoint`` selects (outermost only), or PlanError."""
+    entries = module_entries(modules)
+    if plan.checkpoint == "none":
+        return []
+    if plan.checkpoint == "auto":
+        chosen = auto_checkpoint_modules(entries)
+        if not chosen:
+            raise PlanError("checkpoint=auto found no repeated blocks (a ModuleList or "
+                            "Sequential of same-class modules); name modules instead, "
+                            "e.g. checkpoint=encoder+decoder")
+        return chosen
+    chosen = []
+    for name in plan.checkpoint:
+        hits = [m.path for m in entries if m.path == name or m.type == name]
+        if not hits:
+            hint = ", ".join(repeated_blocks(entries)[:3]) or "see the module tree"
+            raise PlanError(f"checkpoint names {name!r} but the model has no module with that "
+                            f"path or class (repeated blocks: {hint})")
+        chosen.extend(hits)
+    # checkpointing a module inside one already checkpointed adds recomputation, saves nothing
+    outer = [p for p in dict.fromkeys(chosen)
+             if not any(p != q and (q == "" or p.startswith(q + ".")) for q in chosen)]
+    return outer

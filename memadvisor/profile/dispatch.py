@@ -1,0 +1,151 @@
+"""The dispatch mode that sees every aten op (forward, backward and optimizer alike).
+
+For each op: register the *input* storages first (so an in-place or ``out=`` result that
+writes into an existing storage is never counted as new memory, and storages made where
+we could not see them -- ``torch.tensor(list)``, ``from_numpy`` -- are logged the first
+time they are used), run the op, then log every output storage not seen before.
+Wrapper subclasses (DTensor, FSDP's sharded parameters) are looked through to the plain
+tensors inside.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ..trace import schema
+from .recorder import EventRecorder
+from .source import SourceLocator
+
+_Tensor = torch.Tensor
+_SKIP_DEVICES = {"meta"}
+
+
+class TrackingMode(TorchDispatchMode):
+    def __init__(self, recorder: EventRecorder, locator: SourceLocator):
+        super().__init__()
+        self.recorder = recorder
+        self.locator = locator
+        self.autocast_cast_ops = {torch.ops.aten._to_copy.default}
+        self._dtype_names: dict[torch.dtype, str] = {}
+        self._shape_names: dict[torch.Size, str] = {}
+        self._op_names: dict[object, str] = {}
+        #: (module, phase, op) -> [calls, flops]; FLOPs only for the ops that dominate
+        self.op_stats: dict[tuple[str, str, str], list[int]] = {}
+        self.flop_counter = _FlopCounter()
+        #: set by the session: notices the start of backward before the op is logged
+        self.before_op = lambda args, kwargs: None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.before_op(args, kwargs)
+        recorder = self.recorder
+        phase = recorder.phase
+        op_name = self._op_names.get(func)
+        if op_name is None:
+            op_name = self._op_names[func] = _op_name(func)
+        for tensor in _tensors(args, kwargs):
+            storage = _storage(tensor)
+            if storage is None:
+                continue
+            created = recorder.created_phase(storage)
+            if created is None:
+                self._log_alloc(tensor, storage, op_name)
+            elif phase == schema.FORWARD and created == schema.OTHER_PHASE \
+                    and recorder.category_of(storage) is None:
+                # made between steps and fed to the forward: the batch (or targets)
+                recorder.mark(storage, schema.INPUT)
+        out = func(*args, **kwargs)
+        cast = func in self.autocast_cast_ops
+        for tensor in _tensors(out, None):
+            storage = _storage(tensor)
+            if storage is None or recorder.lookup(storage) is not None:
+                continue
+            self._log_alloc(tensor, storage, op_name)
+            if cast and _is_parameter_cast(recorder, args):
+                recorder.mark(storage, schema.AUTOCAST_WEIGHT)
+        key = (recorder.module, phase, op_name)
+        stats = self.op_stats.get(key)
+        if stats is None:
+            stats = self.op_stats[key] = [0, 0]
+        stats[0] += 1
+        stats[1] += self.flop_counter.flops(func, args, kwargs, out)
+        return out
+
+    def _log_alloc(self, tensor, storage, op_name: str) -> None:
+        device = tensor.device
+        if device.type in _SKIP_DEVICES:
+            return
+        dtype = self._dtype_names.get(tensor.dtype)
+        if dtype is None:
+            dtype = self._dtype_names[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+        size = tensor.shape
+        shape = self._shape_names.get(size)
+        if shape is None:
+            shape = self._shape_names[size] = schema.shape_to_str(size)
+        self.recorder.alloc(storage, str(device), dtype, shape, op_name, self.locator.locate(2))
+
+
+class _FlopCounter:
+    """FLOPs of matmul-like ops, from torch's own formula registry (recompute cost model)."""
+
+    def __init__(self):
+        try:
+            from torch.utils.flop_counter import flop_registry
+        except ImportError:  # pragma: no cover - very old torch
+            flop_registry = {}
+        self._registry = {getattr(k, "_overloadpacket", k): v for k, v in flop_registry.items()}
+
+    def flops(self, func, args, kwargs, out) -> int:
+        formula = self._registry.get(func._overloadpacket)
+        if formula is None:
+            return 0
+        try:
+            shapes = _shapes(args)
+            out_shape = _shapes((out,))[0] if out is not None else None
+            return int(formula(*shapes, **_shapes_kw(kwargs), out_shape=out_shape))
+        except Exception:  # a formula that does not fit this overload: no estimate
+            return 0
+
+
+def _shapes(values):
+    return tuple(v.shape if isinstance(v, _Tensor) else
+                 type(v)(_shapes(v)) if isinstance(v, (list, tuple)) else v for v in values)
+
+
+def _shapes_kw(kwargs):
+    return {k: (v.shape if isinstance(v, _Tensor) else v) for k, v in kwargs.items()}
+
+
+def _op_name(func) -> str:
+    # 'aten::mm' like torch.profiler names it; overload dropped unless it matters
+    name = func.name()
+    return name.split(".")[0] if "." in name else name
+
+
+def _storage(tensor):
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, functional wrappers
+        return None
+
+
+def _tensors(args, kwargs):
+    """Every plain tensor in args/kwargs/outputs (one level of lists, as aten uses)."""
+    stack = [args] if kwargs is None else [args, tuple(kwargs.values())]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, _Tensor):
+            if type(value) is not _Tensor and is_traceable_wrapper_subclass(value):
+                inner_names, _ = value.__tensor_flatten__()
+                stack.extend(getattr(value, name) for name in inner_names)
+            else:
+                yield value
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+
+
+def _is_parameter_cast(recorder: EventRecorder, args) -> bool:
+    if not args or not isinstance(args[0], _Tensor):
+        return False
+    storage = _storage(args[0])
+    return storage is not None and recorder.category_of(storage) == schema.PARAMETER

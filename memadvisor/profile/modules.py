@@ -1,0 +1,130 @@
+"""Which module is running, in forward and in backward, as a path like ``blocks.3.attn``.
+
+Global module hooks push/pop a stack in forward.  Backward has no module calls, so (as
+torch's own ModTracker does) each module's forward registers multi-grad hooks: one on its
+outputs fires when its backward starts, one on its inputs when its backward ends.
+
+Paths are relative to the *root* module: the first module called while no other module
+was running.  A second unrelated root (a loss module, a discriminator) is prefixed with
+its class name so paths stay unique.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import (
+    register_module_forward_hook, register_module_forward_pre_hook,
+)
+
+_Tensor = torch.Tensor
+
+
+def _grad_tensors(value) -> list[torch.Tensor]:
+    found, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif hasattr(item, "__dataclass_fields__") or hasattr(item, "to_tuple"):
+            # model-output containers (HF ModelOutput, dataclasses)
+            stack.extend(getattr(item, "__dict__", {}).values())
+    return found
+
+
+class ModuleTracker:
+    """Maintains ``current`` (innermost module path) and calls back on root entry."""
+
+    def __init__(self, on_change: Callable[[str], None],
+                 on_root_forward: Callable[[torch.nn.Module, tuple], None]):
+        self._on_change = on_change
+        self._on_root_forward = on_root_forward
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.roots: list[weakref.ref] = []
+        self._forward_stack: list[str] = []
+        self._backward_stack: list[str] = []
+        self._handles = []
+
+    # --- naming ------------------------------------------------------------------------
+    def name_of(self, module: torch.nn.Module) -> str:
+        name = self._names.get(module)
+        if name is None:
+            name = self._adopt_root(module)
+        return name
+
+    def _adopt_root(self, module: torch.nn.Module) -> str:
+        prefix = "" if not self.roots else type(module).__name__
+        self.roots.append(weakref.ref(module))
+        for path, sub in module.named_modules(remove_duplicate=False):
+            full = ".".join(p for p in (prefix, path) if p)
+            self._names.setdefault(sub, full)
+        return self._names[module]
+
+    def root_modules(self) -> list[torch.nn.Module]:
+        return [m for m in (r() for r in self.roots) if m is not None]
+
+    @property
+    def current(self) -> str:
+        if torch._C._current_graph_task_id() != -1 and self._backward_stack:
+            return self._backward_stack[-1]
+        return self._forward_stack[-1] if self._forward_stack else ""
+
+    # --- hooks -------------------------------------------------------------------------
+    def __enter__(self):
+        self._handles = [register_module_forward_pre_hook(self._pre_forward),
+                         register_module_forward_hook(self._post_forward, always_call=True)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre_forward(self, module, args):
+        if not self._forward_stack and torch._C._current_graph_task_id() == -1:
+            self._on_root_forward(module, args)
+        name = self.name_of(module)
+        self._forward_stack.append(name)
+        self._on_change(name)
+        if torch._C._current_graph_task_id() == -1:
+            inputs = _grad_tensors(args)
+            if inputs:
+                register_multi_grad_hook(inputs, self._make_backward_exit(name))
+
+    def _post_forward(self, module, args, output):
+        if self._forward_stack:
+            self._forward_stack.pop()
+        self._on_change(self.current)
+        if torch._C._current_graph_task_id() == -1:
+            outputs = _grad_tensors(output)
+            if outputs:
+                register_multi_grad_hook(outputs, self._make_backward_enter(self.name_of(module)),
+                                         mode="any")
+
+    def _make_backward_enter(self, name: str):
+        def enter(*_):
+            self._backward_stack.append(name)
+            self._on_change(name)
+        return enter
+
+    def _make_backward_exit(self, name: str):
+        def leave(*_):
+            stack = self._backward_stack
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] == name:
+                    del stack[i]
+                    break
+            self._on_change(self.current)
+        return leave
+
+    def backward_finished(self) -> None:
+        """Modules whose inputs needed no grad never see their exit hook: clear at the end."""
+        self._backward_stack.clear()
+        self._on_change(self.current)

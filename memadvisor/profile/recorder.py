@@ -1,0 +1,166 @@
+"""The event log: storages coming to life and dying, and what each one turned out to be.
+
+Storages, not tensors, are the unit: views and in-place results share their base's
+storage, so they never add bytes.  A storage's *category* is only known over its life
+(an op output becomes a gradient when autograd accumulates it, an activation when autograd
+saves it), so categories are collected as marks and resolved when the trace is written:
+the most specific mark wins (``CATEGORY_PRIORITY``).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..trace import schema
+from ..trace.io import events_table
+
+# the most specific role first: a parameter saved for backward is still a parameter
+CATEGORY_PRIORITY = {
+    schema.PARAMETER: 0, schema.BUFFER: 1, schema.OPTIMIZER_STATE: 2, schema.GRADIENT: 3,
+    # the batch is 'input' even where autograd saves it (embedding saves the token ids)
+    schema.AUTOCAST_WEIGHT: 4, schema.INPUT: 5, schema.ACTIVATION: 6, schema.TEMPORARY: 7,
+    schema.OTHER: 8,
+}
+
+# row layout (tuples are the cheapest thing to append per event)
+_TIME, _ACTION, _SID, _SIZE, _DEVICE, _DTYPE, _SHAPE, _OP, _MODULE, _PHASE, _FILE, _LINE, \
+    _FUNC = range(13)
+
+
+class EventRecorder:
+    """Owns the live-storage map and the rows; the dispatch mode and hooks feed it."""
+
+    def __init__(self, clock=time.monotonic_ns):
+        self._clock = clock
+        self.start_ns = clock()
+        self.rows: list[tuple] = []
+        self._live: dict[int, tuple[int, int]] = {}  # storage _cdata -> (sid, alloc row)
+        self._refs: dict[int, weakref.ref] = {}  # sid -> weakref whose callback logs the free
+        self._marks: dict[int, str] = {}  # sid -> best category so far
+        self._next_sid = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        # set by the session: where we are in training, read at every event
+        self.phase = schema.OTHER_PHASE
+        self.module = ""
+        self.enabled = True
+
+    # --- storages --------------------------------------------------------------------
+    def lookup(self, storage) -> int | None:
+        entry = self._live.get(storage._cdata)
+        return None if entry is None else entry[0]
+
+    def created_phase(self, storage) -> str | None:
+        entry = self._live.get(storage._cdata)
+        return None if entry is None else self.rows[entry[1]][_PHASE]
+
+    def alloc(self, storage, device: str, dtype: str, shape: str, op: str,
+              source: tuple[str, int, str]) -> int:
+        """Log a storage we have not seen; returns its sid."""
+        sid = self._next_sid
+        self._next_sid += 1
+        size = storage.nbytes()
+        row_index = len(self.rows)
+        self.rows.append((self._clock() - self.start_ns, schema.ALLOC, sid, size, device, dtype,
+                          shape, op, self.module, self.phase, source[0], source[1], source[2]))
+        self._live[storage._cdata] = (sid, row_index)
+        cdata = storage._cdata
+        self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid, cdata=cdata, row=row_index:
+                                      self._free(sid, cdata, row))
+        self.live_bytes += size
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        return sid
+
+    def _free(self, sid: int, cdata: int, alloc_row: int) -> None:
+        self._refs.pop(sid, None)
+        if self._live.get(cdata, (None,))[0] == sid:
+            del self._live[cdata]
+        if not self.enabled:
+            return
+        a = self.rows[alloc_row]
+        # a free row repeats its allocation's identity (op, module, source) so that any row
+        # can be grouped on its own; phase and time are those of the free
+        self.rows.append((self._clock() - self.start_ns, schema.FREE, sid, a[_SIZE], a[_DEVICE],
+                          a[_DTYPE], a[_SHAPE], a[_OP], a[_MODULE], self.phase, a[_FILE],
+                          a[_LINE], a[_FUNC]))
+        self.live_bytes -= a[_SIZE]
+
+    # --- categories --------------------------------------------------------------------
+    def mark(self, storage, category: str) -> None:
+        entry = self._live.get(storage._cdata)
+        if entry is not None:
+            self.mark_sid(entry[0], category)
+
+    def mark_sid(self, sid: int, category: str) -> None:
+        old = self._marks.get(sid)
+        if old is None or CATEGORY_PRIORITY[category] < CATEGORY_PRIORITY[old]:
+            self._marks[sid] = category
+
+    def category_of(self, storage) -> str | None:
+        entry = self._live.get(storage._cdata)
+        return None if entry is None else self._marks.get(entry[0])
+
+    # --- output ------------------------------------------------------------------------
+    def now_seq(self) -> int:
+        """The seq the next event will get (step boundaries are kept as seqs)."""
+        return len(self.rows)
+
+    def now_ns(self) -> int:
+        return self._clock() - self.start_ns
+
+    def stop(self) -> None:
+        """No more events: frees after this (interpreter teardown) are not part of the run."""
+        self.enabled = False
+
+    def to_table(self, step_boundaries: list[int]) -> pa.Table:
+        """Resolve steps and categories and build the events table."""
+        rows = self.rows
+        n = len(rows)
+        columns: dict[str, Any] = {}
+        if n:
+            cols = list(zip(*rows))
+        else:
+            cols = [()] * 13
+        columns["seq"] = np.arange(n, dtype=np.int64)
+        columns["time_ns"] = np.asarray(cols[_TIME], dtype=np.int64)
+        columns["action"] = cols[_ACTION]
+        columns["storage_id"] = np.asarray(cols[_SID], dtype=np.int64)
+        columns["size_bytes"] = np.asarray(cols[_SIZE], dtype=np.int64)
+        columns["device"] = cols[_DEVICE]
+        columns["dtype"] = cols[_DTYPE]
+        columns["shape"] = cols[_SHAPE]
+        marks = self._marks
+        phases = cols[_PHASE]
+        # an unmarked storage made while computing is a temporary; one made between steps
+        # (logging, data not fed to a model) is 'other'.  Decided from the alloc row's phase.
+        alloc_phase: dict[int, str] = {}
+        for sid, action, phase in zip(cols[_SID], cols[_ACTION], phases):
+            if action == schema.ALLOC:
+                alloc_phase[sid] = phase
+        def resolve(sid: int) -> str:
+            mark = marks.get(sid)
+            if mark is not None:
+                return mark
+            return schema.OTHER if alloc_phase.get(sid) == schema.OTHER_PHASE else schema.TEMPORARY
+        cache: dict[int, str] = {}
+        categories = []
+        for sid in cols[_SID]:
+            category = cache.get(sid)
+            if category is None:
+                category = cache[sid] = resolve(sid)
+            categories.append(category)
+        columns["category"] = categories
+        columns["op"] = cols[_OP]
+        columns["module"] = cols[_MODULE]
+        columns["phase"] = phases
+        boundaries = np.asarray(sorted(step_boundaries), dtype=np.int64)
+        columns["step"] = np.searchsorted(boundaries, columns["seq"], side="right").astype(np.int32)
+        columns["source_file"] = cols[_FILE]
+        columns["source_line"] = np.asarray(cols[_LINE], dtype=np.int32)
+        columns["source_function"] = cols[_FUNC]
+        return events_table(columns)

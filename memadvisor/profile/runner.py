@@ -1,0 +1,168 @@
+"""Run a user's training script as ``__main__`` under a ProfileSession; always keep a trace.
+
+The script sees what ``python train.py ARGS`` would give it: ``sys.argv``, ``sys.path[0]``
+set to its folder, ``__file__``, ``__name__ == "__main__"``, the caller's working
+directory.  Whatever happens -- the requested steps done, the script ending, raising,
+timing out, Ctrl-C or SIGTERM -- the events recorded so far are written.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+from ..trace.io import write_trace
+from .session import ProfileSession, StopProfiling
+
+EXIT_SCRIPT_ERROR = 1
+EXIT_TIMEOUT = 124
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class ProfileResult:
+    trace_path: Path
+    status: str  #: completed | error | interrupted | timeout
+    exit_code: int
+    steps_completed: int
+    events: int
+    peak_bytes: int
+    error: str = ""
+    traceback: str = ""
+
+
+def rank_output_path(output: str | os.PathLike) -> Path:
+    """Rank 0 writes OUTPUT; rank R>0 writes OUTPUT with '.rankR' before the suffix."""
+    path = Path(output)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if rank <= 0:
+        return path
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def _compile_script(script: Path):
+    if not script.exists():
+        raise UserError(f"{script}: no such script")
+    if script.is_dir():
+        raise UserError(f"{script}: is a directory, expected a Python script")
+    try:
+        source = script.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{script}: cannot read ({exc.strerror})") from None
+    try:
+        return compile(source, str(script), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = f"{script}:{exc.lineno}" if exc.lineno else str(script)
+        raise UserError(f"{where}: SyntaxError: {exc.msg} (nothing was run)") from None
+
+
+class _ScriptContext:
+    """Swap in the script's argv, sys.path[0] and __main__ module; restore on exit."""
+
+    def __init__(self, script: Path, args: list[str]):
+        self.script = script
+        self.args = args
+
+    def __enter__(self) -> dict:
+        self._argv, self._path0 = sys.argv, sys.path[0] if sys.path else None
+        self._main = sys.modules.get("__main__")
+        sys.argv = [str(self.script), *self.args]
+        folder = str(self.script.resolve().parent)
+        if sys.path:
+            sys.path[0] = folder
+        else:
+            sys.path.insert(0, folder)
+        module = types.ModuleType("__main__")
+        module.__file__ = str(self.script)
+        module.__builtins__ = __builtins__
+        module.__cached__ = None
+        sys.modules["__main__"] = module
+        self._sigterm = None
+        if _in_main_thread():
+            # SIGTERM (a scheduler, torchrun tearing down) behaves like Ctrl-C: trace kept
+            self._sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+        return module.__dict__
+
+    def __exit__(self, *exc):
+        sys.argv = self._argv
+        if self._path0 is not None and sys.path:
+            sys.path[0] = self._path0
+        if self._main is not None:
+            sys.modules["__main__"] = self._main
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+
+def _in_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The script's traceback without memadvisor's own frames."""
+    package = str(Path(__file__).resolve().parents[1])
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(package)]
+    text = "".join(traceback.format_list(frames))
+    text += "".join(traceback.format_exception_only(type(exc), exc))
+    return text
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
+    return lines[-1] if lines else type(exc).__name__
+
+
+def profile_script(script: str | os.PathLike, args: list[str] | None = None,
+                   output: str | os.PathLike = "memadvisor.trace", *, steps: int | None = 3,
+                   timeout_s: float | None = None, step_boundary: str = "auto",
+                   on_step=None) -> ProfileResult:
+    """Profile ``script`` for ``steps`` steps and write the trace (always)."""
+    script = Path(script)
+    args = list(args or [])
+    code = _compile_script(script)
+    output = rank_output_path(output)
+    session = ProfileSession(steps=steps, step_boundary=step_boundary, timeout_s=timeout_s,
+                             script=str(script.resolve()), on_step=on_step)
+    status, exit_code, error, tb = "completed", 0, "", ""
+    with _ScriptContext(script, args) as namespace:
+        try:
+            with session:
+                exec(code, namespace)
+        except StopProfiling:
+            pass
+        except SystemExit as exc:
+            code_value = exc.code
+            if code_value not in (None, 0):
+                status, error = "error", f"the script called sys.exit({code_value!r})"
+                exit_code = code_value if isinstance(code_value, int) else EXIT_SCRIPT_ERROR
+        except KeyboardInterrupt as exc:
+            if session.timed_out:
+                done = len(session.boundaries()[1])
+                status, exit_code = "timeout", EXIT_TIMEOUT
+                error = (f"no step completed within {timeout_s:g} s "
+                         f"(after {done} step{'s' if done != 1 else ''})")
+            else:
+                status, exit_code, error = "interrupted", EXIT_INTERRUPTED, "interrupted"
+            del exc
+        except BaseException as exc:  # the script's own error: keep the trace, report it
+            status, exit_code = "error", EXIT_SCRIPT_ERROR
+            error, tb = _one_line(exc), _user_traceback(exc)
+            del exc
+        finally:
+            session.close()
+            table, meta = session.build(script=str(script), args=args, status=status,
+                                        error=error)
+            write_trace(output, table, meta)
+    return ProfileResult(trace_path=output, status=status, exit_code=exit_code,
+                         steps_completed=meta.steps_completed, events=table.num_rows,
+                         peak_bytes=session.recorder.peak_bytes, error=error, traceback=tb)

@@ -1,0 +1,368 @@
+"""A profiling session: the dispatch mode plus the training hooks that give events meaning.
+
+``with ProfileSession(steps=3) as session: train()`` records; ``session.build()`` returns
+the events table and metadata, ``session.write(path)`` writes the trace.
+
+Steps.  A step ends at a ``torch.optim`` optimizer step that follows a backward (global
+optimizer hooks).  Scripts that never call a ``torch.optim`` optimizer (manual updates)
+fall back to "one backward = one step", the step ending when the next forward begins.
+With ``steps=N`` the session raises ``StopProfiling`` (a ``BaseException``, so a user's
+``except Exception`` does not swallow it) once N steps are done.
+
+Phases.  forward: from a root module's forward until backward; backward: while the
+autograd engine runs (``_current_graph_task_id``), closed by an engine callback;
+optimizer: between the optimizer step pre and post hooks; other: everything else.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import _thread
+import time
+import weakref
+from typing import Callable
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook, register_optimizer_step_pre_hook,
+)
+
+from ..trace import schema
+from . import metadata
+from .dispatch import TrackingMode, _storage, _tensors
+from .modules import ModuleTracker
+from .recorder import EventRecorder
+from .source import SourceLocator
+
+
+class StopProfiling(BaseException):
+    """Raised inside the script once the requested steps are done."""
+
+
+class StepTimeout(BaseException):
+    """Raised inside the script when a step takes longer than the timeout."""
+
+
+class ProfileSession:
+    def __init__(self, steps: int | None = None, *, step_boundary: str = "auto",
+                 timeout_s: float | None = None, script: str | None = None,
+                 on_step: Callable[[dict], None] | None = None):
+        if step_boundary not in ("auto", "optimizer", "backward"):
+            raise ValueError(f"step_boundary must be auto, optimizer or backward: {step_boundary}")
+        self.steps_requested = steps
+        self.step_boundary = step_boundary
+        self.timeout_s = timeout_s
+        self.on_step = on_step
+        self.recorder = EventRecorder()
+        self.locator = SourceLocator((script,) if script else ())
+        self.mode = TrackingMode(self.recorder, self.locator)
+        self.modules = ModuleTracker(self._set_module, self._root_forward)
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        # (seq, time_ns) of each boundary; step k ends at boundary k
+        self._optimizer_boundaries: list[tuple[int, int]] = []
+        self._backward_boundaries: list[tuple[int, int]] = []
+        self._backward_since_optimizer_step = False
+        self._backward_since_forward = False
+        self._in_backward = False
+        self.backward_count = 0
+        self._step_cuda: list[tuple[int | None, int | None]] = []
+        self._batch: dict = {}
+        self._last_progress = time.monotonic()
+        self._timed_out = False
+        self._watchdog: threading.Thread | None = None
+        self._stack = []
+        self.stopped_at_steps = False
+        self._stop_after_backward = False
+        self._model_snapshot: dict = {}
+        self.mode.before_op = self._before_op
+        # trainable tensors of scripts without modules: id -> weakref (tensors cannot go in
+        # a WeakSet: their == is elementwise)
+        self._leaves: dict[int, weakref.ref] = {}
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def __enter__(self) -> "ProfileSession":
+        self._stack = [
+            self.modules.__enter__(),
+            register_optimizer_step_pre_hook(self._optimizer_pre),
+            register_optimizer_step_post_hook(self._optimizer_post),
+        ]
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_hooks.__enter__()
+        self.mode.__enter__()
+        self._last_progress = time.monotonic()
+        if self.timeout_s:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name="memadvisor-timeout")
+            self._watchdog.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._stack:
+            return
+        self.mode.__exit__(None, None, None)
+        self._saved_hooks.__exit__(None, None, None)
+        self.modules.__exit__(None, None, None)
+        for handle in self._stack[1:]:
+            handle.remove()
+        self._stack = []
+        self.timeout_s = None  # stops the watchdog
+        if self._backward_since_forward and self._counting_backward():
+            self._boundary(self._backward_boundaries)  # the script ended after its last step
+        self._mark_model_state()
+        self._snapshot_model()
+        self.recorder.stop()
+
+    # --- training events -----------------------------------------------------------------
+    def _set_module(self, name: str) -> None:
+        self.recorder.module = name
+
+    def _before_op(self, args, kwargs) -> None:
+        self._check_backward_started()
+        phase = self.recorder.phase
+        if (phase != schema.OTHER_PHASE and phase != schema.FORWARD) or self.modules.roots \
+                or not torch.is_grad_enabled():
+            return
+        # a script without nn.Modules (tensors with requires_grad updated by hand): its
+        # forward begins at the first op on a trainable leaf with grad enabled
+        found = False
+        for tensor in _tensors(args, kwargs):
+            if tensor.requires_grad and tensor.is_leaf:
+                found = True
+                if id(tensor) not in self._leaves:
+                    self._leaves[id(tensor)] = weakref.ref(
+                        tensor, lambda _r, key=id(tensor): self._leaves.pop(key, None))
+                self._mark_tensor(tensor, schema.PARAMETER)
+        if found and phase == schema.OTHER_PHASE:
+            self._forward_begins()
+
+    def _forward_begins(self) -> None:
+        if self._backward_since_forward:
+            self._backward_since_forward = False
+            if self._counting_backward():
+                self._boundary(self._backward_boundaries)
+                if self._stop_after_backward:
+                    self.stopped_at_steps = True
+                    raise StopProfiling()
+        self.recorder.phase = schema.FORWARD
+
+    def _root_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        self._forward_begins()
+        self._scan_module(module)
+        batch = [t for t in _tensors(args, None)]
+        for tensor in batch:
+            storage = _storage(tensor)
+            if storage is not None:
+                self._register_existing(tensor, storage)
+                self.recorder.mark(storage, schema.INPUT)
+        self._batch = {"shapes": [list(t.shape) for t in batch],
+                       "dtypes": [str(t.dtype).removeprefix("torch.") for t in batch]}
+        self.recorder.phase = schema.FORWARD
+
+    def _scan_module(self, module: torch.nn.Module) -> None:
+        for tensor in module.parameters():
+            self._mark_tensor(tensor, schema.PARAMETER)
+        for tensor in module.buffers():
+            self._mark_tensor(tensor, schema.BUFFER)
+
+    def _mark_tensor(self, tensor, category: str) -> None:
+        for inner in _tensors(tensor, None):
+            storage = _storage(inner)
+            if storage is not None:
+                self._register_existing(inner, storage)
+                self.recorder.mark(storage, category)
+
+    def _register_existing(self, tensor, storage) -> None:
+        if self.recorder.lookup(storage) is None:
+            self.mode._log_alloc(tensor, storage, "")
+
+    def _pack(self, tensor):
+        # runs inside forward for every tensor autograd saves; return it unchanged
+        if self.recorder.phase != schema.BACKWARD or torch._C._current_graph_task_id() == -1:
+            for inner in _tensors(tensor, None):
+                storage = _storage(inner)
+                if storage is not None:
+                    self.recorder.mark(storage, schema.ACTIVATION)
+        return tensor
+
+    def _check_backward_started(self) -> None:
+        if not self._in_backward and torch._C._current_graph_task_id() != -1:
+            self._in_backward = True
+            self.recorder.phase = schema.BACKWARD
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._in_backward = False
+        self.backward_count += 1
+        self._backward_since_optimizer_step = True
+        self._backward_since_forward = True
+        self.modules.backward_finished()
+        self.recorder.phase = schema.OTHER_PHASE
+        trainable = [p for root in self.modules.root_modules() for p in root.parameters()]
+        leaves = [ref() for ref in list(self._leaves.values())]
+        for param in trainable + [leaf for leaf in leaves if leaf is not None]:
+            if param.grad is not None:
+                self._mark_tensor(param.grad, schema.GRADIENT)
+        if self._counting_backward():
+            self._maybe_stop_backward_mode()
+
+    def _counting_backward(self) -> bool:
+        return self.step_boundary == "backward" or (
+            self.step_boundary == "auto" and not self._optimizer_boundaries)
+
+    def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+        self._optimizers.add(optimizer)
+        self.recorder.phase = schema.OPTIMIZER
+        self.recorder.module = ""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._mark_tensor(param, schema.PARAMETER)
+                if param.grad is not None:
+                    self._mark_tensor(param.grad, schema.GRADIENT)
+
+    def _optimizer_post(self, optimizer, args, kwargs) -> None:
+        self._mark_optimizer_state(optimizer)
+        self.recorder.phase = schema.OTHER_PHASE
+        if self._backward_since_optimizer_step and self.step_boundary != "backward":
+            self._backward_since_optimizer_step = False
+            self._backward_since_forward = False
+            self._boundary(self._optimizer_boundaries)
+            if self.steps_requested and len(self._optimizer_boundaries) >= self.steps_requested:
+                self.stopped_at_steps = True
+                raise StopProfiling()
+
+    def _mark_optimizer_state(self, optimizer) -> None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    self._mark_tensor(value, schema.OPTIMIZER_STATE)
+
+    def _mark_model_state(self) -> None:
+        for root in self.modules.root_modules():
+            self._scan_module(root)
+        for optimizer in list(self._optimizers):
+            self._mark_optimizer_state(optimizer)
+
+    def _maybe_stop_backward_mode(self) -> None:
+        if not self.steps_requested:
+            return
+        if self.step_boundary == "backward":
+            threshold = self.steps_requested
+        else:
+            # no torch.optim step seen yet: maybe gradient accumulation over many
+            # micro-batches, maybe manual updates.  Give accumulation room before deciding.
+            threshold = max(2 * self.steps_requested, self.steps_requested + 8)
+        if self.backward_count >= threshold:
+            # stop when the next forward begins, after the manual update has run
+            self._stop_after_backward = True
+
+    # --- steps -------------------------------------------------------------------------
+    def _boundary(self, boundaries: list[tuple[int, int]]) -> None:
+        boundaries.append((self.recorder.now_seq(), self.recorder.now_ns()))
+        self._last_progress = time.monotonic()
+        cuda = (None, None)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+        self._step_cuda.append(cuda)
+        if len(boundaries) == 1:
+            self._snapshot_model()  # once, in case the script drops its model before exit
+        if self.on_step is not None:
+            self.on_step({"steps_done": len(boundaries), "steps_requested": self.steps_requested,
+                          "live_bytes": self.recorder.live_bytes,
+                          "peak_bytes": self.recorder.peak_bytes})
+
+    def _watch(self) -> None:
+        while self.timeout_s:
+            time.sleep(0.1)
+            if self.timeout_s and time.monotonic() - self._last_progress > self.timeout_s:
+                self._timed_out = True
+                _thread.interrupt_main()
+                return
+
+    @property
+    def timed_out(self) -> bool:
+        return self._timed_out
+
+    # --- output ------------------------------------------------------------------------
+    def boundaries(self) -> tuple[str, list[tuple[int, int]]]:
+        if self._optimizer_boundaries and self.step_boundary != "backward":
+            return "optimizer", self._optimizer_boundaries
+        return "backward", self._backward_boundaries
+
+    def build(self, *, script: str | None = None, args: list[str] | None = None,
+              status: str = "completed", error: str = ""):
+        """The events table and metadata of what was recorded so far."""
+        self.close()
+        detection, boundaries = self.boundaries()
+        table = self.recorder.to_table([seq for seq, _ in boundaries])
+        meta = schema.TraceMeta(
+            script=os.path.abspath(script) if script else "",
+            argv=metadata.argv_of(script, list(args or [])),
+            status=status, error=error,
+            steps_requested=self.steps_requested or 0,
+            steps_completed=len(boundaries),
+            step_detection=detection,
+            op_stats=[{"module": m, "phase": ph, "op": op, "calls": c, "flops": f}
+                      for (m, ph, op), (c, f) in self.mode.op_stats.items()],
+            **self._model_snapshot,
+        )
+        meta.steps = self._step_infos(table, boundaries)
+        if meta.device.startswith("cuda"):
+            meta.allocator = {"settings": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+        return table, meta
+
+    def _snapshot_model(self) -> None:
+        """Describe the model and optimizers while they are alive (we hold no references)."""
+        roots = self.modules.root_modules()
+        if not roots and self._model_snapshot:
+            return  # the script already dropped its model: keep what we saw last
+        named_roots = [(self.modules.name_of(root), root) for root in roots]
+        parameters = list({id(p): p for root in roots for p in root.parameters()}.values())
+        device = metadata.main_device(roots)
+        batch = dict(self._batch)
+        if batch.get("shapes") and batch["shapes"][0]:
+            batch["batch_size"] = batch["shapes"][0][0]
+        self._model_snapshot = dict(
+            parameter_count=sum(p.numel() for p in parameters),
+            trainable_parameter_count=sum(p.numel() for p in parameters if p.requires_grad),
+            parameter_bytes=metadata.unique_storage_bytes(parameters),
+            buffer_bytes=metadata.unique_storage_bytes(b for r in roots for b in r.buffers()),
+            optimizers=[metadata.optimizer_info(o) for o in list(self._optimizers)],
+            modules=metadata.module_tree(named_roots),
+            batch=batch, device=device, device_name=metadata.device_name(device),
+            **metadata.machine_info(),
+        )
+
+    def _step_infos(self, table, boundaries) -> list[dict]:
+        import numpy as np
+        sizes = table.column("size_bytes").to_numpy()
+        is_alloc = np.asarray(table.column("action").to_pylist()) == schema.ALLOC \
+            if len(sizes) else np.zeros(0, dtype=bool)
+        live = np.cumsum(np.where(is_alloc, sizes, -sizes)) if len(sizes) else np.zeros(0)
+        times = table.column("time_ns").to_numpy()
+        infos, start_seq, start_ns = [], 0, 0
+        for index, (seq, end_ns) in enumerate(boundaries):
+            window = live[start_seq:seq]
+            cuda = self._step_cuda[index] if index < len(self._step_cuda) else (None, None)
+            infos.append(schema.StepInfo(
+                index=index, start_ns=int(start_ns), end_ns=int(end_ns),
+                duration_s=(end_ns - start_ns) / 1e9,
+                peak_bytes=int(window.max()) if len(window) else 0,
+                cuda_max_allocated_bytes=cuda[0], cuda_max_reserved_bytes=cuda[1],
+            ).__dict__)
+            start_seq, start_ns = seq, end_ns
+        del times
+        return infos
+
+    def write(self, path, **kwargs):
+        from ..trace.io import write_trace
+        table, meta = self.build(**kwargs)
+        return write_trace(path, table, meta)
+
+
+def _unpack(tensor):
+    return tensor
