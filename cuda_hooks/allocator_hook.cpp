@@ -1,0 +1,303 @@
+// memadvisor CPU allocator hook.
+//
+// Wraps c10's CPU allocator so that every CPU allocation and free made through
+// `c10::GetAllocator(DeviceType::CPU)` -- including the ones made *inside*
+// kernels (oneDNN scratchpads via ideep's raw_allocate, max_pool2d indices,
+// convolution_backward temporaries, ...) -- is seen, in order.
+//
+// Loaded from Python with ctypes (memadvisor/profile/native.py); only c10
+// headers are included so it compiles in a couple of seconds.  Link with
+// -lc10, and build with torch's -D_GLIBCXX_USE_CXX11_ABI value.
+//
+// Design
+// ------
+// * The wrapper forwards allocate() to the allocator that was current at
+//   install time.  It then takes ownership of the original context/deleter,
+//   parks them in a side table keyed by the data pointer, and returns a DataPtr
+//   whose context *is* the data pointer and whose deleter is `ma_delete`.
+//   Keeping `get() == get_context()` matters: ideep/oneDNN allocate through
+//   `Allocator::raw_allocate`, which asserts exactly that, and
+//   `is_simple_data_ptr` (copy-on-write lazy clones) relies on it too.  The
+//   deleter looks the pointer up, records the free, and calls the original
+//   deleter with the original context.
+// * raw_deleter() returns `ma_delete` when the wrapped allocator supports the
+//   raw interface, so raw_allocate/raw_deallocate pairs keep working (a
+//   raw_deallocate of a pointer we never saw falls through to the original
+//   raw deleter).
+// * Events (kind +1 alloc / -1 free, ptr, size, seq) are appended to an
+//   in-memory buffer, guarded by a mutex, only while recording is on.  Every
+//   allocation made after ma_install() is tracked (live/peak bytes) whether or
+//   not recording is on, so a free that happens while recording is on is
+//   recorded even if its allocation happened before recording started (but
+//   after install).  Allocations made before ma_install() are invisible, and so
+//   are their frees.
+// * The free event is recorded *before* the memory is returned to the original
+//   allocator, and the alloc event *after* it was obtained, so address reuse is
+//   always ordered correctly (free of p precedes the next alloc of p) even
+//   across threads.
+// * Zero-size allocations (and allocations returning nullptr / no deleter) are
+//   passed through untouched and record nothing.
+// * All state is heap-allocated and intentionally leaked so that frees that
+//   happen during static destruction at process exit stay safe.
+
+#include <c10/core/Allocator.h>
+#include <c10/core/DeviceType.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#define MA_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+struct Event {
+  int64_t kind;
+  uint64_t ptr;
+  int64_t size;
+  int64_t seq;
+};
+
+struct LiveEntry {
+  void* ctx;
+  c10::DeleterFnPtr deleter;
+  int64_t size;
+};
+
+struct State {
+  std::mutex mu;
+  std::vector<Event> events;  // pending events are events[head..]
+  size_t head = 0;
+  std::unordered_map<void*, LiveEntry> live;
+  int64_t live_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t next_seq = 0;
+  std::atomic<bool> recording{false};
+  c10::Allocator* orig = nullptr;  // the allocator we wrap (set once)
+};
+
+State& st() {
+  static State* s = new State();  // leaked on purpose (see header comment)
+  return *s;
+}
+
+inline void push_event_locked(State& s, int64_t kind, void* p, int64_t size) {
+  s.events.push_back(Event{kind, reinterpret_cast<uint64_t>(p), size, s.next_seq++});
+}
+
+void ma_delete(void* p) {
+  State& s = st();
+  LiveEntry e{nullptr, nullptr, 0};
+  bool found = false;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    auto it = s.live.find(p);
+    if (it != s.live.end()) {
+      e = it->second;
+      found = true;
+      s.live.erase(it);
+      s.live_bytes -= e.size;
+      if (s.recording.load(std::memory_order_relaxed)) {
+        push_event_locked(s, -1, p, e.size);
+      }
+    }
+  }
+  if (found) {
+    if (e.deleter != nullptr) {
+      e.deleter(e.ctx);
+    }
+    return;
+  }
+  // Not ours: a raw_deallocate() of memory raw_allocate()d before install.
+  if (s.orig != nullptr) {
+    c10::DeleterFnPtr d = s.orig->raw_deleter();
+    if (d != nullptr) {
+      d(p);
+    }
+  }
+}
+
+struct HookAllocator final : public c10::Allocator {
+  explicit HookAllocator(c10::Allocator* orig) : orig_(orig) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr dp = orig_->allocate(n);
+    void* data = dp.get();
+    c10::DeleterFnPtr d = dp.get_deleter();
+    if (n == 0 || data == nullptr || d == nullptr) {
+      return dp;  // nothing to track
+    }
+    State& s = st();
+    {
+      std::lock_guard<std::mutex> g(s.mu);
+      auto it = s.live.find(data);
+      if (it != s.live.end()) {
+        // Should not happen (a free bypassed us); keep the books straight.
+        s.live_bytes -= it->second.size;
+        it->second = LiveEntry{dp.get_context(), d, static_cast<int64_t>(n)};
+      } else {
+        s.live.emplace(data, LiveEntry{dp.get_context(), d, static_cast<int64_t>(n)});
+      }
+      s.live_bytes += static_cast<int64_t>(n);
+      if (s.live_bytes > s.peak_bytes) {
+        s.peak_bytes = s.live_bytes;
+      }
+      if (s.recording.load(std::memory_order_relaxed)) {
+        push_event_locked(s, +1, data, static_cast<int64_t>(n));
+      }
+    }
+    c10::Device dev = dp.device();
+    (void)dp.release_context();  // ownership now lives in the side table
+    return c10::DataPtr(data, data, &ma_delete, dev);
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return orig_->raw_deleter() != nullptr ? &ma_delete : nullptr;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    orig_->copy_data(dest, src, count);
+  }
+
+ private:
+  c10::Allocator* orig_;
+};
+
+std::mutex g_install_mu;
+HookAllocator* g_hook = nullptr;  // leaked on purpose
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// extern "C" API (see cuda_hooks/README.md)
+// ---------------------------------------------------------------------------
+
+// Installs the wrapper around the current CPU allocator.  Idempotent.
+// Returns 0 on success, 1 if there is no CPU allocator, 2 if SetAllocator did
+// not take effect (someone registered at a higher priority), 3 on exception.
+MA_API int ma_install(void) {
+  try {
+    std::lock_guard<std::mutex> g(g_install_mu);
+    if (g_hook != nullptr) {
+      return c10::GetAllocator(c10::DeviceType::CPU) == g_hook ? 0 : 2;
+    }
+    c10::Allocator* cur = c10::GetAllocator(c10::DeviceType::CPU);
+    if (cur == nullptr) {
+      return 1;
+    }
+    st().orig = cur;
+    auto* hook = new HookAllocator(cur);
+    // Only an equal or higher priority can overwrite; the default CPU
+    // allocator registers at 0.  255 is the maximum (uint8_t).
+    c10::SetAllocator(c10::DeviceType::CPU, hook, /*priority=*/255);
+    g_hook = hook;
+    return c10::GetAllocator(c10::DeviceType::CPU) == hook ? 0 : 2;
+  } catch (...) {
+    return 3;
+  }
+}
+
+MA_API int ma_installed(void) {
+  std::lock_guard<std::mutex> g(g_install_mu);
+  return g_hook != nullptr && c10::GetAllocator(c10::DeviceType::CPU) == g_hook;
+}
+
+MA_API void ma_set_recording(int on) {
+  st().recording.store(on != 0, std::memory_order_relaxed);
+}
+
+MA_API int ma_recording(void) {
+  return st().recording.load(std::memory_order_relaxed) ? 1 : 0;
+}
+
+// Copies up to `capacity` pending events, oldest first, and removes them.
+// `seqs` may be NULL.  Returns the number copied.
+MA_API int64_t ma_drain_ex(int64_t* kinds, uint64_t* ptrs, int64_t* sizes,
+                           int64_t* seqs, int64_t capacity) {
+  if (capacity <= 0) {
+    return 0;
+  }
+  State& s = st();
+  std::lock_guard<std::mutex> g(s.mu);
+  const size_t avail = s.events.size() - s.head;
+  const size_t n = std::min(avail, static_cast<size_t>(capacity));
+  const Event* src = s.events.data() + s.head;
+  for (size_t i = 0; i < n; ++i) {
+    kinds[i] = src[i].kind;
+    ptrs[i] = src[i].ptr;
+    sizes[i] = src[i].size;
+    if (seqs != nullptr) {
+      seqs[i] = src[i].seq;
+    }
+  }
+  s.head += n;
+  if (s.head == s.events.size()) {
+    s.events.clear();  // keeps capacity
+    s.head = 0;
+  } else if (s.head > 65536 && s.head * 2 > s.events.size()) {
+    s.events.erase(s.events.begin(), s.events.begin() + static_cast<std::ptrdiff_t>(s.head));
+    s.head = 0;
+  }
+  return static_cast<int64_t>(n);
+}
+
+MA_API int64_t ma_drain(int64_t* kinds, uint64_t* ptrs, int64_t* sizes, int64_t capacity) {
+  return ma_drain_ex(kinds, ptrs, sizes, nullptr, capacity);
+}
+
+MA_API int64_t ma_pending(void) {
+  State& s = st();
+  std::lock_guard<std::mutex> g(s.mu);
+  return static_cast<int64_t>(s.events.size() - s.head);
+}
+
+// Discards pending events.
+MA_API void ma_clear(void) {
+  State& s = st();
+  std::lock_guard<std::mutex> g(s.mu);
+  s.events.clear();
+  s.head = 0;
+}
+
+// Sequence number the next recorded event will get (== events recorded so far).
+MA_API int64_t ma_next_seq(void) {
+  State& s = st();
+  std::lock_guard<std::mutex> g(s.mu);
+  return s.next_seq;
+}
+
+// Bytes currently live among allocations made through the hook since install.
+MA_API int64_t ma_live_bytes(void) {
+  State& s = st();
+  std::lock_guard<std::mutex> g(s.mu);
+  return s.live_bytes;
+}
+
+// Number of allocations currently live among those made through the hook.
+MA_API int64_t ma_live_count(void) {
+  State& s = st();
+  std::lock_guard<std::mutex> g(s.mu);
+  return static_cast<int64_t>(s.live.size());
+}
+
+// High-water mark of ma_live_bytes() since install or the last ma_reset_peak().
+MA_API int64_t ma_peak_bytes(void) {
+  State& s = st();
+  std::lock_guard<std::mutex> g(s.mu);
+  return s.peak_bytes;
+}
+
+MA_API void ma_reset_peak(void) {
+  State& s = st();
+  std::lock_guard<std::mutex> g(s.mu);
+  s.peak_bytes = s.live_bytes;
+}
+
+// Bumped whenever the C API changes incompatibly; native.py checks it.
+MA_API int ma_api_version(void) {
+  return 1;
+}

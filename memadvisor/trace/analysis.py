@@ -1,0 +1,92 @@
+"""Pure queries over a trace's events: live bytes, peaks, what is alive at a moment.
+
+Readers (summary, report, compare, check, the dashboard, the simulator) build on these, so
+a peak means the same thing everywhere.  No torch here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from . import schema
+from .io import Trace
+
+
+def signed_sizes(events: pd.DataFrame) -> np.ndarray:
+    sizes = events["size_bytes"].to_numpy(dtype=np.int64)
+    is_alloc = (events["action"] == schema.ALLOC).to_numpy()
+    return np.where(is_alloc, sizes, -sizes)
+
+
+def live_bytes(events: pd.DataFrame) -> np.ndarray:
+    """Live bytes just after each event (all devices together)."""
+    return np.cumsum(signed_sizes(events)) if len(events) else np.zeros(0, dtype=np.int64)
+
+
+def analysed_step(trace: Trace) -> int | None:
+    """The steady-state step: the last complete one (None when no step completed)."""
+    done = trace.meta.steps_completed
+    return done - 1 if done > 0 else None
+
+
+def step_slice(events: pd.DataFrame, step: int | None) -> slice:
+    """Positions of a step's events (events are ordered, steps never decrease)."""
+    if step is None:
+        return slice(0, len(events))
+    steps = events["step"].to_numpy()
+    return slice(int(np.searchsorted(steps, step, "left")),
+                 int(np.searchsorted(steps, step, "right")))
+
+
+def peak_in(live: np.ndarray, window: slice) -> tuple[int, int]:
+    """(position, bytes) of the highest live point in ``window`` (first one on ties)."""
+    part = live[window]
+    if not len(part):
+        return -1, 0
+    offset = int(np.argmax(part))
+    return window.start + offset, int(part[offset])
+
+
+def lifetimes(events: pd.DataFrame) -> pd.DataFrame:
+    """One row per storage: its alloc row's columns plus ``alloc_pos`` and ``free_pos``.
+
+    ``free_pos`` is len(events) for storages still alive at the end of the trace.
+    """
+    actions = events["action"].to_numpy()
+    positions = np.arange(len(events))
+    alloc_mask = actions == schema.ALLOC
+    allocs = events[alloc_mask].copy()
+    allocs["alloc_pos"] = positions[alloc_mask]
+    free_mask = ~alloc_mask
+    free_pos = pd.Series(positions[free_mask], index=events["storage_id"].to_numpy()[free_mask])
+    free_pos = free_pos[~free_pos.index.duplicated(keep="first")]
+    allocs["free_pos"] = allocs["storage_id"].map(free_pos).fillna(len(events)).astype(np.int64)
+    return allocs
+
+
+def alive_at(lives: pd.DataFrame, position: int) -> pd.DataFrame:
+    """Storages alive just after the event at ``position``."""
+    mask = (lives["alloc_pos"].to_numpy() <= position) & (lives["free_pos"].to_numpy() > position)
+    return lives[mask]
+
+
+def category_series(events: pd.DataFrame, category: str) -> np.ndarray:
+    """Live bytes of one category after each event."""
+    mask = (events["category"] == category).to_numpy()
+    return np.cumsum(np.where(mask, signed_sizes(events), 0))
+
+
+def by_category(alive: pd.DataFrame) -> dict[str, int]:
+    sums = alive.groupby("category", observed=True)["size_bytes"].sum()
+    return {c: int(sums.get(c, 0)) for c in schema.CATEGORIES if int(sums.get(c, 0))}
+
+
+def step_peaks(events: pd.DataFrame, live: np.ndarray) -> list[dict]:
+    """Peak live bytes of every step present in the events."""
+    out = []
+    if not len(events):
+        return out
+    for step in np.unique(events["step"].to_numpy()):
+        position, peak = peak_in(live, step_slice(events, int(step)))
+        out.append({"index": int(step), "peak_bytes": peak, "peak_seq": int(position)})
+    return out
