@@ -41,6 +41,9 @@ class EventRecorder:
         self._live: dict[int, tuple[int, int]] = {}  # storage _cdata -> (sid, alloc row)
         self._refs: dict[int, weakref.ref] = {}  # sid -> weakref whose callback logs the free
         self._marks: dict[int, str] = {}  # sid -> best category so far
+        # sid -> module that owns the storage (a parameter's module, its gradient's and its
+        # optimizer state's): more useful than the module running when it was allocated
+        self._owners: dict[int, str] = {}
         self._next_sid = 0
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -101,6 +104,11 @@ class EventRecorder:
         if old is None or CATEGORY_PRIORITY[category] < CATEGORY_PRIORITY[old]:
             self._marks[sid] = category
 
+    def set_owner(self, storage, module_path: str) -> None:
+        entry = self._live.get(storage._cdata)
+        if entry is not None:
+            self._owners.setdefault(entry[0], module_path)
+
     def category_of(self, storage) -> str | None:
         entry = self._live.get(storage._cdata)
         return None if entry is None else self._marks.get(entry[0])
@@ -156,7 +164,9 @@ class EventRecorder:
             categories.append(category)
         columns["category"] = categories
         columns["op"] = cols[_OP]
-        columns["module"] = cols[_MODULE]
+        owners = self._owners
+        columns["module"] = [owners.get(sid, module) for sid, module in zip(cols[_SID], cols[_MODULE])] \
+            if owners else cols[_MODULE]
         columns["phase"] = phases
         boundaries = np.asarray(sorted(step_boundaries), dtype=np.int64)
         columns["step"] = np.searchsorted(boundaries, columns["seq"], side="right").astype(np.int32)

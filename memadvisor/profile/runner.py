@@ -122,6 +122,15 @@ def _one_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
+def _warm_up_imports() -> None:
+    """Import what torch loads lazily on first use (dynamo: ~1-2 s) before timing starts,
+    so step 0's duration is the script's, not an import's."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # pragma: no cover - a torch without dynamo
+        pass
+
+
 def profile_script(script: str | os.PathLike, args: list[str] | None = None,
                    output: str | os.PathLike = "memadvisor.trace", *, steps: int | None = 3,
                    timeout_s: float | None = None, step_boundary: str = "auto",
@@ -131,6 +140,7 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
     args = list(args or [])
     code = _compile_script(script)
     output = rank_output_path(output)
+    _warm_up_imports()
     session = ProfileSession(steps=steps, step_boundary=step_boundary, timeout_s=timeout_s,
                              script=str(script.resolve()), on_step=on_step)
     status, exit_code, error, tb = "completed", 0, "", ""

@@ -75,6 +75,9 @@ class ProfileSession:
         self.stopped_at_steps = False
         self._stop_after_backward = False
         self._model_snapshot: dict = {}
+        # id(parameter) -> owning module path ('blocks.0.attn'); ids stay valid because the
+        # model outlives every step we record
+        self._param_owner: dict[int, str] = {}
         self.mode.before_op = self._before_op
         # trainable tensors of scripts without modules: id -> weakref (tensors cannot go in
         # a WeakSet: their == is elementwise)
@@ -163,17 +166,22 @@ class ProfileSession:
         self.recorder.phase = schema.FORWARD
 
     def _scan_module(self, module: torch.nn.Module) -> None:
-        for tensor in module.parameters():
-            self._mark_tensor(tensor, schema.PARAMETER)
-        for tensor in module.buffers():
-            self._mark_tensor(tensor, schema.BUFFER)
+        prefix = self.modules.name_of(module)
+        for name, tensor in module.named_parameters():
+            owner = _owner_path(prefix, name)
+            self._param_owner[id(tensor)] = owner
+            self._mark_tensor(tensor, schema.PARAMETER, owner)
+        for name, tensor in module.named_buffers():
+            self._mark_tensor(tensor, schema.BUFFER, _owner_path(prefix, name))
 
-    def _mark_tensor(self, tensor, category: str) -> None:
+    def _mark_tensor(self, tensor, category: str, owner: str | None = None) -> None:
         for inner in _tensors(tensor, None):
             storage = _storage(inner)
             if storage is not None:
                 self._register_existing(inner, storage)
                 self.recorder.mark(storage, category)
+                if owner is not None:
+                    self.recorder.set_owner(storage, owner)
 
     def _register_existing(self, tensor, storage) -> None:
         if self.recorder.lookup(storage) is None:
@@ -205,7 +213,7 @@ class ProfileSession:
         leaves = [ref() for ref in list(self._leaves.values())]
         for param in trainable + [leaf for leaf in leaves if leaf is not None]:
             if param.grad is not None:
-                self._mark_tensor(param.grad, schema.GRADIENT)
+                self._mark_tensor(param.grad, schema.GRADIENT, self._param_owner.get(id(param)))
         if self._counting_backward():
             self._maybe_stop_backward_mode()
 
@@ -221,7 +229,8 @@ class ProfileSession:
             for param in group["params"]:
                 self._mark_tensor(param, schema.PARAMETER)
                 if param.grad is not None:
-                    self._mark_tensor(param.grad, schema.GRADIENT)
+                    self._mark_tensor(param.grad, schema.GRADIENT,
+                                      self._param_owner.get(id(param)))
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
         self._mark_optimizer_state(optimizer)
@@ -235,10 +244,11 @@ class ProfileSession:
                 raise StopProfiling()
 
     def _mark_optimizer_state(self, optimizer) -> None:
-        for state in optimizer.state.values():
+        for param, state in optimizer.state.items():
+            owner = self._param_owner.get(id(param))
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    self._mark_tensor(value, schema.OPTIMIZER_STATE)
+                    self._mark_tensor(value, schema.OPTIMIZER_STATE, owner)
 
     def _mark_model_state(self) -> None:
         for root in self.modules.root_modules():
@@ -362,6 +372,11 @@ class ProfileSession:
         from ..trace.io import write_trace
         table, meta = self.build(**kwargs)
         return write_trace(path, table, meta)
+
+
+def _owner_path(prefix: str, name: str) -> str:
+    module = name.rsplit(".", 1)[0] if "." in name else ""
+    return ".".join(p for p in (prefix, module) if p)
 
 
 def _unpack(tensor):

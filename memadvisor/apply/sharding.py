@@ -1,0 +1,139 @@
+"""Data parallelism and sharding with PyTorch's own wrappers.
+
+==========  ======================================================================
+shard       realised as
+==========  ======================================================================
+ddp         ``DistributedDataParallel``: every rank holds everything, gradients all-reduced
+zero1       DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer``: optimizer state
+            sharded, each rank steps its share and broadcasts it (ZeRO stage 1 exactly)
+zero2       FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients reduce-scattered
+            to shards and optimizer state sharded; parameters are gathered once per step
+            and stay whole from forward through backward (ZeRO-2's peak)
+zero3       FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters sharded too and
+            gathered per block in forward and again in backward
+hybrid=G    zero2/zero3 on a 2-D mesh (replicate x shard) = HSDP; zero1 shards the
+            optimizer inside process groups of G ranks
+==========  ======================================================================
+
+The process group is created here when the script did not: gloo on CPU, nccl on CUDA.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan import Plan, PlanError
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+def read_ranks() -> Ranks:
+    """Where this process sits, from the variables torchrun sets (one process: rank 0 of 1)."""
+    def number(name, default):
+        try:
+            return int(os.environ.get(name, default))
+        except ValueError:
+            return default
+    return Ranks(number("RANK", 0), number("WORLD_SIZE", 1), number("LOCAL_RANK", 0))
+
+
+def select_local_device() -> None:
+    """Under torchrun make ``"cuda"`` mean this rank's GPU, before the script moves anything.
+
+    Scripts say ``.to("cuda")``; with the current device set per rank that lands on GPU
+    LOCAL_RANK instead of every rank crowding onto GPU 0.
+    """
+    if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        local = read_ranks().local_rank
+        if local < torch.cuda.device_count():
+            torch.cuda.set_device(local)
+
+
+def init_process_group(device_type: str, ranks: Ranks) -> bool:
+    """Join the job's process group unless the script did; returns whether we created it."""
+    if ranks.world_size == 1 or dist.is_initialized():
+        return False
+    if device_type == "cuda":
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
+def wrap_model(model: nn.Module, plan: Plan, device_type: str, blocks: list[str]) -> nn.Module:
+    """The model the script should call from now on (a DDP wrapper, or ``model`` itself
+    turned into an FSDP module in place)."""
+    if plan.shard in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+        device_ids = [torch.cuda.current_device()] if device_type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    if plan.uses_fsdp:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        mesh = device_mesh(plan, device_type)
+        reshard = plan.shard == "zero3"
+        offload = CPUOffloadPolicy() if "params" in plan.offload else OffloadPolicy()
+        modules = dict(model.named_modules())
+        for path in blocks:  # one sharding unit per repeated block, then the rest at the root
+            fully_shard(modules[path], mesh=mesh, reshard_after_forward=reshard,
+                        offload_policy=offload)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
+        return model
+    return model
+
+
+def device_mesh(plan: Plan, device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    if plan.hybrid:
+        return init_device_mesh(device_type, (plan.world // plan.hybrid, plan.hybrid),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (plan.world,), mesh_dim_names=("shard",))
+
+
+def optimizer_shard_group(plan: Plan):
+    """zero1: the process group the optimizer state is sharded over (None = all ranks)."""
+    if not plan.hybrid:
+        return None
+    size = plan.hybrid
+    groups = [list(range(start, start + size)) for start in range(0, plan.world, size)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine
+
+
+def check_world(plan: Plan, ranks: Ranks) -> None:
+    if plan.world != ranks.world_size:
+        if ranks.world_size == 1:
+            raise PlanError(
+                f"the plan runs on world={plan.world} ranks but this is a single process: "
+                f"launch it with `memadvisor apply --nproc {plan.world}` or "
+                f"`torchrun --nproc-per-node {plan.world}`")
+        raise PlanError(f"the plan says world={plan.world} but {ranks.world_size} processes "
+                        "were launched: make them equal")
+
+
+def convert_batch_norm(model: nn.Module, plan: Plan, device_type: str) -> tuple[nn.Module, str]:
+    """Batch statistics are what the batch split can change.  Under data parallelism on GPUs
+    ``SyncBatchNorm`` computes them over all ranks' slices, restoring the single-process math;
+    elsewhere the caller gets a warning to print."""
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if not has_bn or (plan.world == 1 and plan.accum == 1):
+        return model, ""
+    if plan.world > 1 and device_type == "cuda" and plan.accum == 1:
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model), ""
+    why = []
+    if plan.accum > 1:
+        why.append(f"accum={plan.accum} normalises each micro-batch of the batch separately")
+    if plan.world > 1 and device_type != "cuda":
+        why.append("SyncBatchNorm needs GPUs, so each rank normalises its own slice")
+    elif plan.world > 1:
+        why.append("each rank normalises its own micro-batches")
+    return model, ("the model has BatchNorm layers and " + "; ".join(why) +
+                   ": training is close to, not equal to, the unmodified run")

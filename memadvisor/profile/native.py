@@ -1,0 +1,366 @@
+"""A native hook on c10's CPU allocator: every CPU allocation and free, in order.
+
+The dispatch-level view (``dispatch.py``) sees storages that ops return; it cannot see
+memory a kernel allocates and frees internally (oneDNN convolution scratchpads,
+max_pool2d / convolution_backward temporaries).  ``torch.profiler(profile_memory=True)``
+sees those because they go through c10's CPU allocator, and so does this hook: a tiny
+C++ library (``cuda_hooks/allocator_hook.cpp``) that wraps the current CPU allocator and
+records ``(kind, ptr, size)`` events, ``kind`` being +1 for an allocation and -1 for a
+free, into a buffer this module drains.
+
+The library is compiled on first use with the system C++ compiler against torch's own
+headers and ``libc10.so`` (about a second), and cached under ``$MEMADVISOR_CACHE`` or
+``~/.cache/memadvisor/`` keyed by the source, torch version, C++ ABI and Python ABI.
+Anything going wrong -- no compiler, no headers, a failed build, a library that will not
+load -- surfaces as :class:`NativeHookUnavailable` with a one-line reason; the profiler
+then falls back to the dispatch-level view and says so.
+
+Environment:
+    MEMADVISOR_CACHE       cache root (default ``~/.cache/memadvisor``)
+    MEMADVISOR_CXX         C++ compiler (default ``$CXX``, then ``g++``, then ``c++``)
+    MEMADVISOR_NATIVE_SRC  directory holding ``allocator_hook.cpp`` (default: the
+                           checkout's ``cuda_hooks/``)
+    MEMADVISOR_NO_NATIVE   if set non-empty, the hook is reported unavailable
+
+Semantics worth knowing (details in ``cuda_hooks/README.md``):
+    * the hook is process-global and, once installed, stays installed (it is
+      transparent: allocations are forwarded to the original allocator);
+    * ``ptr`` is the storage's data pointer: ``t.untyped_storage().data_ptr()``
+      (``t.data_ptr()`` adds the storage offset of a view);
+    * while recording is on, every free is logged, including frees of allocations made
+      after install but before ``start()``; allocations made before install are
+      invisible (neither their allocation nor their free is ever logged);
+    * zero-byte allocations are not logged.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+SOURCE_NAME = "allocator_hook.cpp"
+API_VERSION = 1
+_DRAIN_CAPACITY = 8192
+_BUILD_TIMEOUT_S = 300
+
+
+class NativeHookUnavailable(RuntimeError):
+    """The native allocator hook cannot be built or loaded; ``str(exc)`` is one line."""
+
+    def __init__(self, reason: str, log: str = ""):
+        reason = " ".join(str(reason).split())  # one line, always
+        super().__init__(reason)
+        self.reason = reason
+        self.log = log  # full compiler output, when there was one
+
+
+# --- locating, building -----------------------------------------------------------------
+def source_dir() -> Path:
+    """Where ``allocator_hook.cpp`` lives (raises NativeHookUnavailable if nowhere)."""
+    candidates = []
+    env = os.environ.get("MEMADVISOR_NATIVE_SRC")
+    if env:
+        candidates.append(Path(env))
+    candidates.append(Path(__file__).resolve().parents[2] / "cuda_hooks")  # checkout
+    candidates.append(Path(__file__).resolve().parents[1] / "_native")  # packaged data
+    for cand in candidates:
+        if (cand / SOURCE_NAME).is_file():
+            return cand
+    raise NativeHookUnavailable(
+        f"{SOURCE_NAME} not found (looked in {', '.join(str(c) for c in candidates)})")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MEMADVISOR_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "memadvisor"
+    return base / "native"
+
+
+def _find_compiler(compiler: str | None) -> str:
+    names = [compiler] if compiler else [
+        c for c in (os.environ.get("MEMADVISOR_CXX"), os.environ.get("CXX"), "g++", "c++") if c]
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise NativeHookUnavailable(f"no C++ compiler found (tried {', '.join(names)})")
+
+
+def _torch_paths() -> tuple[str, Path, Path, int]:
+    import torch
+
+    root = Path(torch.__file__).resolve().parent
+    include, lib = root / "include", root / "lib"
+    if not (include / "c10" / "core" / "Allocator.h").is_file():
+        raise NativeHookUnavailable(f"torch C++ headers not found under {include}")
+    if not any(lib.glob("libc10.*")):
+        raise NativeHookUnavailable(f"libc10 not found under {lib}")
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    return torch.__version__, include, lib, abi
+
+
+def _compile_command(cxx: str, src: Path, out: Path, include: Path, lib: Path,
+                     abi: int) -> list[str]:
+    return [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}", str(src), "-o", str(out),
+            f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"]
+
+
+def _first_error_line(log: str) -> str:
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in lines:
+        if "error" in ln.lower():
+            return ln[:300]
+    return lines[0][:300] if lines else "no output"
+
+
+def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
+          force: bool = False) -> Path:
+    """Compile the hook (if not cached) and return the shared library's path.
+
+    Raises NativeHookUnavailable with a one-line reason on any failure.
+    """
+    src = source_dir() / SOURCE_NAME
+    try:
+        source = src.read_bytes()
+    except OSError as exc:
+        raise NativeHookUnavailable(f"cannot read {src}: {exc}") from None
+    torch_version, include, lib, abi = _torch_paths()
+    key = hashlib.sha256(b"\0".join([
+        source, torch_version.encode(), str(abi).encode(),
+        (sys.implementation.cache_tag or "").encode(),
+        (sysconfig.get_config_var("SOABI") or "").encode(), str(include).encode(),
+    ])).hexdigest()[:16]
+    out_dir = Path(cache).expanduser() / "native" if cache is not None else cache_dir()
+    out = out_dir / f"allocator_hook-{key}.so"
+    if out.is_file() and not force:
+        return out
+    cxx = _find_compiler(compiler)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=".allocator_hook-", suffix=".so.tmp",
+                                        dir=out_dir)
+        os.close(fd)
+    except OSError as exc:
+        raise NativeHookUnavailable(f"cannot write to cache {out_dir}: {exc}") from None
+    tmp = Path(tmp_name)
+    cmd = _compile_command(cxx, src, tmp, include, lib, abi)
+    try:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  timeout=_BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise NativeHookUnavailable(f"could not run {cxx}: {exc}") from None
+        if proc.returncode != 0:
+            log = (proc.stderr or "") + (proc.stdout or "")
+            try:
+                (out_dir / f"allocator_hook-{key}.log").write_text(" ".join(cmd) + "\n" + log)
+            except OSError:
+                pass
+            raise NativeHookUnavailable(
+                f"building the allocator hook failed ({Path(cxx).name} exit "
+                f"{proc.returncode}): {_first_error_line(log)}", log=log)
+        os.replace(tmp, out)  # atomic: concurrent builders never see a partial file
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+# --- the loaded hook ---------------------------------------------------------------------
+_I64P = ctypes.c_void_p
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    sigs = {
+        "ma_install": (ctypes.c_int, []),
+        "ma_installed": (ctypes.c_int, []),
+        "ma_set_recording": (None, [ctypes.c_int]),
+        "ma_recording": (ctypes.c_int, []),
+        "ma_drain": (ctypes.c_int64, [_I64P, _I64P, _I64P, ctypes.c_int64]),
+        "ma_drain_ex": (ctypes.c_int64, [_I64P, _I64P, _I64P, _I64P, ctypes.c_int64]),
+        "ma_pending": (ctypes.c_int64, []),
+        "ma_clear": (None, []),
+        "ma_next_seq": (ctypes.c_int64, []),
+        "ma_live_bytes": (ctypes.c_int64, []),
+        "ma_live_count": (ctypes.c_int64, []),
+        "ma_peak_bytes": (ctypes.c_int64, []),
+        "ma_reset_peak": (None, []),
+        "ma_api_version": (ctypes.c_int, []),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def _frozen_empty(dtype) -> np.ndarray:
+    arr = np.empty(0, dtype)
+    arr.flags.writeable = False
+    return arr
+
+
+_EMPTY_I64 = _frozen_empty(np.int64)  # what an empty drain returns (read-only, shared)
+_EMPTY_U64 = _frozen_empty(np.uint64)
+
+_lock = threading.Lock()
+_instance: "AllocatorHook | None" = None
+_INSTALL_ERRORS = {1: "there is no CPU allocator to wrap",
+                   2: "another CPU allocator is registered at a higher priority",
+                   3: "c10 raised while installing the allocator"}
+
+
+class AllocatorHook:
+    """The process-wide CPU allocator hook.  Get it with :meth:`load`."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, capacity: int = _DRAIN_CAPACITY):
+        self._lib = lib
+        self.path = path
+        self._cap = capacity
+        self._kinds = np.empty(capacity, np.int64)
+        self._ptrs = np.empty(capacity, np.uint64)
+        self._sizes = np.empty(capacity, np.int64)
+        self._seqs = np.empty(capacity, np.int64)
+        self._addr = (self._kinds.ctypes.data, self._ptrs.ctypes.data,
+                      self._sizes.ctypes.data)
+        self._seq_addr = self._seqs.ctypes.data
+        self._drain = lib.ma_drain
+        self._drain_ex = lib.ma_drain_ex
+
+    @classmethod
+    def load(cls, *, cache: str | os.PathLike | None = None,
+             compiler: str | None = None) -> "AllocatorHook":
+        """Build (if needed), load and install the hook; the same object every call.
+
+        ``cache`` / ``compiler`` override ``$MEMADVISOR_CACHE`` / ``$MEMADVISOR_CXX`` for
+        the build.  The hook is process-global: once one library is installed, later calls
+        return it (after checking that a build with the given settings would succeed).
+        Raises NativeHookUnavailable(reason).
+        """
+        global _instance
+        with _lock:
+            if _instance is not None and cache is None and compiler is None:
+                return _instance
+            if os.environ.get("MEMADVISOR_NO_NATIVE"):
+                raise NativeHookUnavailable("disabled by MEMADVISOR_NO_NATIVE")
+            path = build(cache, compiler)
+            if _instance is not None:
+                return _instance
+            try:
+                lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+                _bind(lib)
+            except (OSError, AttributeError) as exc:
+                raise NativeHookUnavailable(f"cannot load {path.name}: {exc}") from None
+            version = lib.ma_api_version()
+            if version != API_VERSION:
+                raise NativeHookUnavailable(
+                    f"{path.name} has API version {version}, expected {API_VERSION}")
+            rc = lib.ma_install()
+            if rc != 0:
+                raise NativeHookUnavailable(
+                    f"installing the allocator hook failed: {_INSTALL_ERRORS.get(rc, rc)}")
+            _instance = cls(lib, path)
+            return _instance
+
+    # --- recording ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Recording on: from now on every allocation and free is logged."""
+        self._lib.ma_set_recording(1)
+
+    def stop(self) -> None:
+        """Recording off (pending events stay until drained or cleared)."""
+        self._lib.ma_set_recording(0)
+
+    @property
+    def recording(self) -> bool:
+        return bool(self._lib.ma_recording())
+
+    def pending(self) -> int:
+        return self._lib.ma_pending()
+
+    def clear(self) -> None:
+        """Discard pending events."""
+        self._lib.ma_clear()
+
+    def drain(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Remove and return pending events, oldest first: kinds (int64, +1 alloc /
+        -1 free), ptrs (uint64), sizes (int64 bytes).  The arrays are fresh copies (an empty
+        drain returns shared read-only empty arrays).  One C call when few events are
+        pending; it loops while the preallocated buffers come back full."""
+        cap = self._cap
+        k, p, s = self._addr
+        n = self._drain(k, p, s, cap)
+        if n == 0:
+            return _EMPTY_I64, _EMPTY_U64, _EMPTY_I64
+        if n < cap:
+            return self._kinds[:n].copy(), self._ptrs[:n].copy(), self._sizes[:n].copy()
+        chunks = [(self._kinds.copy(), self._ptrs.copy(), self._sizes.copy())]
+        while n == cap:
+            n = self._drain(k, p, s, cap)
+            chunks.append((self._kinds[:n].copy(), self._ptrs[:n].copy(),
+                           self._sizes[:n].copy()))
+        return tuple(np.concatenate(parts) for parts in zip(*chunks))  # type: ignore
+
+    def drain_with_seq(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Like :meth:`drain` plus each event's sequence number (int64, gapless and
+        increasing over the process: the count of events recorded before it)."""
+        cap = self._cap
+        k, p, s = self._addr
+        chunks = []
+        while True:
+            n = self._drain_ex(k, p, s, self._seq_addr, cap)
+            chunks.append((self._kinds[:n].copy(), self._ptrs[:n].copy(),
+                           self._sizes[:n].copy(), self._seqs[:n].copy()))
+            if n < cap:
+                break
+        if len(chunks) == 1:
+            return chunks[0]
+        return tuple(np.concatenate(parts) for parts in zip(*chunks))  # type: ignore
+
+    @property
+    def next_seq(self) -> int:
+        return self._lib.ma_next_seq()
+
+    # --- totals (everything allocated through the hook since install) ----------------
+    @property
+    def live_bytes(self) -> int:
+        return self._lib.ma_live_bytes()
+
+    @property
+    def live_count(self) -> int:
+        return self._lib.ma_live_count()
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._lib.ma_peak_bytes()
+
+    def reset_peak(self) -> None:
+        self._lib.ma_reset_peak()
+
+
+def available() -> tuple[bool, str]:
+    """Whether the hook can be built and loaded here, and why not (or where from)."""
+    try:
+        hook = AllocatorHook.load()
+    except NativeHookUnavailable as exc:
+        return False, exc.reason
+    except Exception as exc:  # never let a probe take the profiler down
+        return False, " ".join(f"{type(exc).__name__}: {exc}".split())
+    return True, f"loaded {hook.path}"
+
+
+def replay_peak(kinds: np.ndarray, sizes: np.ndarray) -> int:
+    """Peak of the running sum of ``kinds * sizes`` (0 for no events), relative to the
+    bytes live before the first event."""
+    if len(kinds) == 0:
+        return 0
+    running = np.cumsum(kinds * sizes)
+    return max(0, int(running.max()))

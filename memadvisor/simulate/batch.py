@@ -1,0 +1,79 @@
+"""Which storages scale with the batch, and resizing a timeline to a micro-batch.
+
+Rule (from shapes, one profile): a storage made in forward or backward whose category is
+activation, temporary, input or other scales with the batch when its *first* dimension is
+
+* the batch size ``B`` recorded in ``meta.batch['batch_size']``, or
+* ``B`` times the product of leading non-batch dimensions of a batch tensor (a (B, T)
+  token batch makes (B*T, C) flattened activations), or
+* another multiple of ``B`` (B*heads, ...) *and* the shape is not a parameter's shape
+  (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay).
+
+Limits: with ``B == 1`` every first dimension is a multiple of B, so only the first two
+rules apply; layouts with the batch elsewhere than first (T, B, C) are not scaled; sizes
+that depend on the batch non-linearly (attention over a packed batch) are treated as
+linear.  A second profile at another batch size settles all of these (not yet used).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..trace import schema
+from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
+
+_SCALING_CATEGORIES = tuple(CATEGORY_CODE[c] for c in (
+    schema.ACTIVATION, schema.TEMPORARY, schema.INPUT, schema.OTHER, schema.AUTOCAST_WEIGHT))
+_SCALING_PHASES = (PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD])
+
+
+def batch_multiples(batch: dict) -> set[int]:
+    size = int(batch.get("batch_size") or 0)
+    if size <= 0:
+        return set()
+    out = {size}
+    for shape in batch.get("shapes") or []:
+        if shape and int(shape[0]) == size:
+            product = size
+            for dim in shape[1:]:
+                product *= int(dim)
+                out.add(product)
+    return out
+
+
+def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[str]) -> Timeline:
+    """Return ``timeline`` with ``scales_with_batch`` set by the rule in the module doc."""
+    size = int(batch.get("batch_size") or 0)
+    flags = np.zeros(len(timeline), bool)
+    if size > 0:
+        multiples = batch_multiples(batch)
+        shapes, inverse = np.unique(timeline.shape.astype(str), return_inverse=True)
+        first = np.array([int(s.split(",")[0]) if s else 0 for s in shapes], np.int64)
+        is_param_shape = np.array([s in parameter_shapes for s in shapes])
+        exact = np.isin(first, list(multiples))
+        other = (first % size == 0) & (first > 0) & ~is_param_shape & (size > 1)
+        by_shape = exact | other
+        flags = (by_shape[inverse]
+                 & np.isin(timeline.category, _SCALING_CATEGORIES)
+                 & (np.isin(timeline.phase, _SCALING_PHASES)
+                    | (timeline.category == CATEGORY_CODE[schema.INPUT])))
+    out = timeline.resized(timeline.size)
+    out.scales_with_batch = flags
+    return out
+
+
+def parameter_shapes(timeline: Timeline) -> set[str]:
+    """Shapes (and transposes) of parameter and gradient storages."""
+    mask = timeline.category_mask(schema.PARAMETER, schema.GRADIENT)
+    out = set()
+    for shape in set(timeline.shape[mask].astype(str)):
+        out.add(shape)
+        out.add(",".join(reversed(shape.split(","))))
+    return out
+
+
+def scale_batch(timeline: Timeline, factor: float) -> Timeline:
+    """Batch-dependent storages resized by ``factor`` (micro-batch / recorded batch)."""
+    if factor == 1.0:
+        return timeline
+    size = np.where(timeline.scales_with_batch, timeline.size * factor, timeline.size)
+    return timeline.resized(size)

@@ -1,0 +1,264 @@
+"""The event-stream model every technique transforms: storages with lifetimes, as numpy arrays.
+
+A baseline trace is reduced to its *analysed step* (the last complete one, the steady state)
+plus the storages alive across it.  Each storage becomes one row: size, category, dtype,
+module, alloc phase, and its lifetime as two keys on the step's event axis (``alloc_key``,
+``free_key``; event ``p`` of the step sits at key ``p``; storages alive before the step
+start at key -1, storages alive after it end at ``n_events``).  Techniques return a new
+``Timeline`` with rows resized (``size``), retimed (moved keys) or added (new rows at
+fractional keys between events), so any combination composes and nothing is re-read.
+
+Peak memory is then a sort of 2 x rows keys and a cumulative sum.  The sort depends only on
+the keys, so a ``Timeline`` caches its order: plans that only resize rows (precision,
+sharding, optimizer swap, batch size) reuse it and cost one gather and one cumsum.
+
+At equal keys a free comes before an alloc: a storage freed "at" key k is gone before one
+allocated at k exists, which is how the profiler records an op that frees its input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pandas as pd
+
+from ..trace import schema
+from ..trace.analysis import analysed_step, step_slice
+from ..trace.io import Trace
+
+CATEGORY_CODE = {name: code for code, name in enumerate(schema.CATEGORIES)}
+PHASE_CODE = {name: code for code, name in enumerate(schema.PHASES)}
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8,
+               "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+               "float8_e4m3fn": 1, "float8_e5m2": 1}
+FLOATING = ("float32", "float64", "float16", "bfloat16")
+
+
+@dataclass
+class Timeline:
+    """Storages of the analysed step (one row each) as parallel numpy arrays.
+
+    ``size`` is float64 so that scaling by a micro-batch or a shard fraction stays exact
+    enough; the final figures are rounded to whole bytes.
+    """
+
+    size: np.ndarray  #: bytes (float64)
+    alloc_key: np.ndarray  #: float64 position on the step's event axis (-1: before the step)
+    free_key: np.ndarray  #: float64 (n_events: still alive after the step)
+    category: np.ndarray  #: int8 code into schema.CATEGORIES
+    dtype: np.ndarray  #: int16 code into ``dtypes``
+    module: np.ndarray  #: int32 code into ``modules``
+    phase: np.ndarray  #: int8 code into schema.PHASES (phase at allocation)
+    op: np.ndarray  #: int32 code into ``ops``
+    scales_with_batch: np.ndarray  #: bool: size is proportional to the micro-batch
+    shape: np.ndarray  #: object array of shape strings (for rules and explanations)
+    dtypes: list[str]
+    modules: list[str]
+    ops: list[str]
+    n_events: int
+    #: per event position of the step: phase code and module code (for locating regions)
+    event_phase: np.ndarray
+    event_module: np.ndarray
+    event_is_alloc: np.ndarray
+    #: row of the storage each event belongs to (-1 for rows added by techniques)
+    event_row: np.ndarray
+    _order: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    # --- building new timelines -----------------------------------------------------------
+    def resized(self, size: np.ndarray) -> "Timeline":
+        """Same lifetimes, new sizes: keeps the cached event order."""
+        out = replace(self, size=np.asarray(size, dtype=np.float64))
+        out._order = self._order
+        return out
+
+    def retimed(self, alloc_key: np.ndarray, free_key: np.ndarray) -> "Timeline":
+        return replace(self, alloc_key=alloc_key, free_key=free_key, _order=None)
+
+    def with_dtype(self, rows: np.ndarray, dtype_name: str) -> "Timeline":
+        dtypes = list(self.dtypes)
+        if dtype_name not in dtypes:
+            dtypes.append(dtype_name)
+        code = dtypes.index(dtype_name)
+        dtype = self.dtype.copy()
+        dtype[rows] = code
+        out = replace(self, dtype=dtype, dtypes=dtypes)
+        out._order = self._order
+        return out
+
+    def appended(self, rows: dict) -> "Timeline":
+        """Add storages; ``rows`` maps field -> array (missing fields get neutral values)."""
+        count = len(rows["size"])
+        if not count:
+            return self
+        defaults = {
+            "category": np.full(count, CATEGORY_CODE[schema.TEMPORARY], np.int8),
+            "dtype": np.zeros(count, np.int16), "module": np.zeros(count, np.int32),
+            "phase": np.zeros(count, np.int8), "op": np.zeros(count, np.int32),
+            "scales_with_batch": np.zeros(count, bool),
+            "shape": np.full(count, "", dtype=object),
+        }
+        merged = {}
+        for name in ("size", "alloc_key", "free_key", "category", "dtype", "module", "phase",
+                     "op", "scales_with_batch", "shape"):
+            base = getattr(self, name)
+            extra = np.asarray(rows.get(name, defaults.get(name)), dtype=base.dtype)
+            merged[name] = np.concatenate([base, extra])
+        return replace(self, **merged, _order=None)
+
+    def dropped(self, keep: np.ndarray) -> "Timeline":
+        """Rows where ``keep`` is False become size 0 (kept so codes and orders stay valid)."""
+        return self.resized(np.where(keep, self.size, 0.0))
+
+    # --- evaluation --------------------------------------------------------------------------
+    def order(self) -> np.ndarray:
+        """Indices into the concatenated [frees, allocs] key array, sorted by key."""
+        if self._order is None:
+            keys = np.concatenate([self.free_key, self.alloc_key])
+            # frees first at equal keys: they come first in the concatenation, stable sort
+            self._order = np.argsort(keys, kind="stable")
+        return self._order
+
+    def live_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """(live bytes after each sorted event, sorted event index)."""
+        order = self.order()
+        rows = len(self)
+        deltas = np.concatenate([-self.size, self.size])[order]
+        return np.cumsum(deltas), order
+
+    def peak(self) -> "Peak":
+        live, order = self.live_curve()
+        if not len(live):
+            return Peak(0, -1.0, {})
+        at = int(np.argmax(live))
+        rows = len(self)
+        index = int(order[at])
+        key = float(self.alloc_key[index - rows] if index >= rows else self.free_key[index])
+        alive = self.alive_rows(key, include_allocs_at_key=True, upto_sorted=at)
+        return Peak(int(round(float(live[at]))), key, self.bytes_by_category(alive))
+
+    def alive_rows(self, key: float, include_allocs_at_key: bool = True,
+                   upto_sorted: int | None = None) -> np.ndarray:
+        """Boolean mask of rows alive just after the sorted event ``upto_sorted`` at ``key``."""
+        if upto_sorted is not None:
+            order = self.order()
+            rows = len(self)
+            seen = np.zeros(2 * rows, bool)
+            seen[order[:upto_sorted + 1]] = True
+            return seen[rows:] & ~seen[:rows]
+        alloc_ok = self.alloc_key <= key if include_allocs_at_key else self.alloc_key < key
+        return alloc_ok & (self.free_key > key)
+
+    def bytes_by_category(self, mask: np.ndarray) -> dict[str, int]:
+        sums = np.bincount(self.category[mask], weights=self.size[mask],
+                           minlength=len(schema.CATEGORIES))
+        return {name: int(round(sums[code])) for code, name in enumerate(schema.CATEGORIES)
+                if round(sums[code])}
+
+    def category_mask(self, *names: str) -> np.ndarray:
+        codes = [CATEGORY_CODE[n] for n in names]
+        return np.isin(self.category, codes)
+
+    def dtype_names(self) -> np.ndarray:
+        return np.asarray(self.dtypes, dtype=object)[self.dtype]
+
+    def module_names(self) -> np.ndarray:
+        return np.asarray(self.modules, dtype=object)[self.module]
+
+
+@dataclass(frozen=True)
+class Peak:
+    bytes: int
+    key: float  #: where on the step's event axis the peak is
+    by_category: dict[str, int]
+
+
+# --- building the baseline timeline -----------------------------------------------------------
+def _codes(column: pd.Series) -> tuple[np.ndarray, list[str]]:
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        cats = [str(c) for c in column.cat.categories]
+        codes = column.cat.codes.to_numpy()
+        if (codes < 0).any():
+            cats.append("")
+            codes = np.where(codes < 0, len(cats) - 1, codes)
+        return codes.astype(np.int32), cats
+    codes, uniques = pd.factorize(column.astype(str))
+    return codes.astype(np.int32), [str(u) for u in uniques]
+
+
+def build_timeline(trace: Trace, step: int | None = None) -> Timeline:
+    """The analysed step (default: the last complete one) of ``trace`` as a Timeline."""
+    events = trace.events
+    if step is None:
+        step = analysed_step(trace)
+    window = step_slice(events, step)
+    start, stop = window.start, window.stop
+    n_events = stop - start
+
+    is_alloc = (events["action"] == schema.ALLOC).to_numpy()
+    storage_ids = events["storage_id"].to_numpy()
+    positions = np.arange(len(events))
+    ids, inverse = np.unique(storage_ids, return_inverse=True)
+    alloc_at = np.full(len(ids), -1, np.int64)
+    free_at = np.full(len(ids), len(events), np.int64)
+    # the first alloc and the first free after it per storage id (ids are not reused)
+    alloc_idx = positions[is_alloc]
+    alloc_at[inverse[alloc_idx][::-1]] = alloc_idx[::-1]
+    free_idx = positions[~is_alloc]
+    free_at[inverse[free_idx][::-1]] = free_idx[::-1]
+    has_alloc = alloc_at >= 0
+    alive = has_alloc & (alloc_at < stop) & (free_at >= start)
+    rows = np.flatnonzero(alive)
+    row_alloc = alloc_at[rows]
+
+    columns = {}
+    for name in ("category", "dtype", "module", "phase", "op", "shape"):
+        codes, names = _codes(events[name])
+        columns[name] = (codes[row_alloc], names)
+    category_map = np.array([CATEGORY_CODE.get(c, CATEGORY_CODE[schema.OTHER])
+                             for c in columns["category"][1]], np.int8)
+    phase_map = np.array([PHASE_CODE.get(p, PHASE_CODE[schema.OTHER_PHASE])
+                          for p in columns["phase"][1]], np.int8)
+    shape_names = np.asarray(columns["shape"][1], dtype=object)
+
+    alloc_key = np.where(row_alloc < start, -1.0, (row_alloc - start).astype(np.float64))
+    free_key = np.minimum(free_at[rows], stop).astype(np.float64) - start
+    size = events["size_bytes"].to_numpy()[row_alloc].astype(np.float64)
+
+    module_codes, module_names = _codes(events["module"])
+    phase_codes, phase_names = _codes(events["phase"])
+    event_phase = np.array([PHASE_CODE.get(p, 3) for p in phase_names], np.int8)[
+        phase_codes[start:stop]]
+    row_of_id = np.full(len(ids), -1, np.int64)
+    row_of_id[rows] = np.arange(len(rows))
+    timeline = Timeline(
+        size=size, alloc_key=alloc_key, free_key=free_key,
+        category=category_map[columns["category"][0]],
+        dtype=columns["dtype"][0].astype(np.int16), dtypes=columns["dtype"][1],
+        module=columns["module"][0], modules=columns["module"][1],
+        phase=phase_map[columns["phase"][0]],
+        op=columns["op"][0], ops=columns["op"][1],
+        scales_with_batch=np.zeros(len(rows), bool),
+        shape=shape_names[columns["shape"][0]],
+        n_events=n_events,
+        event_phase=event_phase,
+        event_module=module_codes[start:stop],
+        event_is_alloc=is_alloc[start:stop],
+        event_row=row_of_id[inverse[start:stop]],
+    )
+    assert timeline.modules == module_names
+    return timeline
+
+
+def replay_events(timeline: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """(signed sizes in event order, row of each event): the allocation stream a plan makes,
+    for the allocator model.  Rows alive before the step come first, in row order."""
+    order = timeline.order()
+    rows = len(timeline)
+    is_alloc = order >= rows
+    row = np.where(is_alloc, order - rows, order)
+    sizes = timeline.size[row]
+    keep = sizes > 0
+    return np.where(is_alloc, sizes, -sizes)[keep], row[keep]

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up from scratch, then the main job on a bundled example: profile -> summary/advise -> report.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+mkdir -p reports
+EXAMPLE=${1:-gpt_lm}
+ARGS=()
+[ "$EXAMPLE" = gpt_lm ] && ARGS=(-- --n-layer 4 --d-model 128 --batch-size 8)
+memadvisor profile "examples/$EXAMPLE.py" -o "reports/$EXAMPLE.trace" --steps 3 "${ARGS[@]}"
+memadvisor summary "reports/$EXAMPLE.trace"
+if memadvisor advise --help >/dev/null 2>&1; then
+  memadvisor advise "reports/$EXAMPLE.trace" --budget 64MiB --gpus 2
+fi
+if memadvisor report --help >/dev/null 2>&1; then
+  memadvisor report "reports/$EXAMPLE.trace" --budget 64MiB -o "reports/$EXAMPLE.html"
+  echo "report: reports/$EXAMPLE.html"
+fi
