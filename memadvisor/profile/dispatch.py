@@ -58,7 +58,12 @@ class TrackingMode(TorchDispatchMode):
         cast = func in self.autocast_cast_ops
         for tensor in _tensors(out, None):
             storage = _storage(tensor)
-            if storage is None or recorder.lookup(storage) is not None:
+            if storage is None:
+                continue
+            if recorder.lookup(storage) is not None:
+                if storage.nbytes() != recorder.size_of(storage):
+                    recorder.check_resize(storage, op_name, self._shape(tensor),
+                                          self.locator.locate(2))
                 continue
             self._log_alloc(tensor, storage, op_name)
             if cast and _is_parameter_cast(recorder, args):
@@ -78,11 +83,15 @@ class TrackingMode(TorchDispatchMode):
         dtype = self._dtype_names.get(tensor.dtype)
         if dtype is None:
             dtype = self._dtype_names[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+        self.recorder.alloc(storage, str(device), dtype, self._shape(tensor), op_name,
+                            self.locator.locate(3))
+
+    def _shape(self, tensor) -> str:
         size = tensor.shape
         shape = self._shape_names.get(size)
         if shape is None:
             shape = self._shape_names[size] = schema.shape_to_str(size)
-        self.recorder.alloc(storage, str(device), dtype, shape, op_name, self.locator.locate(2))
+        return shape
 
 
 class _FlopCounter:

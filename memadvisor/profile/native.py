@@ -123,27 +123,40 @@ def _first_error_line(log: str) -> str:
     return lines[0][:300] if lines else "no output"
 
 
-def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
-          force: bool = False) -> Path:
-    """Compile the hook (if not cached) and return the shared library's path.
-
-    Raises NativeHookUnavailable with a one-line reason on any failure.
-    """
+def library_path(cache: str | os.PathLike | None = None) -> Path:
+    """Where the library for this source, torch and Python lives in the cache (built
+    or not).  The name carries a hash of the source, torch version, C++ ABI and Python
+    ABI, so changing any of them means a rebuild."""
     src = source_dir() / SOURCE_NAME
     try:
         source = src.read_bytes()
     except OSError as exc:
         raise NativeHookUnavailable(f"cannot read {src}: {exc}") from None
-    torch_version, include, lib, abi = _torch_paths()
+    torch_version, include, _lib, abi = _torch_paths()
     key = hashlib.sha256(b"\0".join([
         source, torch_version.encode(), str(abi).encode(),
         (sys.implementation.cache_tag or "").encode(),
         (sysconfig.get_config_var("SOABI") or "").encode(), str(include).encode(),
     ])).hexdigest()[:16]
     out_dir = Path(cache).expanduser() / "native" if cache is not None else cache_dir()
-    out = out_dir / f"allocator_hook-{key}.so"
+    return out_dir / f"allocator_hook-{key}.so"
+
+
+def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
+          force: bool = False) -> Path:
+    """Compile the hook (if not cached) and return the shared library's path.
+
+    ``cache`` overrides ``$MEMADVISOR_CACHE``; ``compiler`` overrides
+    ``$MEMADVISOR_CXX``.  Raises NativeHookUnavailable with a one-line reason on any
+    failure (the full compiler output is in the exception's ``log`` and in a ``.log``
+    file next to where the library would be).
+    """
+    out = library_path(cache)
     if out.is_file() and not force:
         return out
+    src = source_dir() / SOURCE_NAME
+    _torch_version, include, lib, abi = _torch_paths()
+    out_dir = out.parent
     cxx = _find_compiler(compiler)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +176,7 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
         if proc.returncode != 0:
             log = (proc.stderr or "") + (proc.stdout or "")
             try:
-                (out_dir / f"allocator_hook-{key}.log").write_text(" ".join(cmd) + "\n" + log)
+                out.with_suffix(".log").write_text(" ".join(cmd) + "\n" + log)
             except OSError:
                 pass
             raise NativeHookUnavailable(

@@ -39,7 +39,7 @@ class EventRecorder:
         self.start_ns = clock()
         self.rows: list[tuple] = []
         self._live: dict[int, tuple[int, int]] = {}  # storage _cdata -> (sid, alloc row)
-        self._refs: dict[int, weakref.ref] = {}  # sid -> weakref whose callback logs the free
+        self._refs: dict[int, weakref.ref] = {}  # _cdata -> weakref whose callback logs the free
         self._marks: dict[int, str] = {}  # sid -> best category so far
         # sid -> module that owns the storage (a parameter's module, its gradient's and its
         # optimizer state's): more useful than the module running when it was allocated
@@ -57,6 +57,10 @@ class EventRecorder:
         entry = self._live.get(storage._cdata)
         return None if entry is None else entry[0]
 
+    def size_of(self, storage) -> int:
+        entry = self._live.get(storage._cdata)
+        return -1 if entry is None else self.rows[entry[1]][_SIZE]
+
     def created_phase(self, storage) -> str | None:
         entry = self._live.get(storage._cdata)
         return None if entry is None else self.rows[entry[1]][_PHASE]
@@ -64,34 +68,58 @@ class EventRecorder:
     def alloc(self, storage, device: str, dtype: str, shape: str, op: str,
               source: tuple[str, int, str]) -> int:
         """Log a storage we have not seen; returns its sid."""
+        cdata = storage._cdata
+        sid = self._log_alloc(cdata, storage.nbytes(), device, dtype, shape, op, self.module,
+                              source)
+        # keyed by the storage's address, not the sid: a resize gives the storage a new sid
+        self._refs[cdata] = weakref.ref(storage, lambda _ref, cdata=cdata: self._free(cdata))
+        return sid
+
+    def _log_alloc(self, cdata: int, size: int, device, dtype, shape, op, module,
+                   source) -> int:
         sid = self._next_sid
         self._next_sid += 1
-        size = storage.nbytes()
-        row_index = len(self.rows)
+        self._live[cdata] = (sid, len(self.rows))
         self.rows.append((self._clock() - self.start_ns, schema.ALLOC, sid, size, device, dtype,
-                          shape, op, self.module, self.phase, source[0], source[1], source[2]))
-        self._live[storage._cdata] = (sid, row_index)
-        cdata = storage._cdata
-        self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid, cdata=cdata, row=row_index:
-                                      self._free(sid, cdata, row))
+                          shape, op, module, self.phase, source[0], source[1], source[2]))
         self.live_bytes += size
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
         return sid
 
-    def _free(self, sid: int, cdata: int, alloc_row: int) -> None:
-        self._refs.pop(sid, None)
-        if self._live.get(cdata, (None,))[0] == sid:
-            del self._live[cdata]
-        if not self.enabled:
+    def _free(self, cdata: int) -> None:
+        self._refs.pop(cdata, None)
+        entry = self._live.pop(cdata, None)
+        if entry is None or not self.enabled:
             return
+        self._log_free(entry[1])
+
+    def _log_free(self, alloc_row: int) -> None:
         a = self.rows[alloc_row]
         # a free row repeats its allocation's identity (op, module, source) so that any row
         # can be grouped on its own; phase and time are those of the free
-        self.rows.append((self._clock() - self.start_ns, schema.FREE, sid, a[_SIZE], a[_DEVICE],
-                          a[_DTYPE], a[_SHAPE], a[_OP], a[_MODULE], self.phase, a[_FILE],
-                          a[_LINE], a[_FUNC]))
+        self.rows.append((self._clock() - self.start_ns, schema.FREE, a[_SID], a[_SIZE],
+                          a[_DEVICE], a[_DTYPE], a[_SHAPE], a[_OP], a[_MODULE], self.phase,
+                          a[_FILE], a[_LINE], a[_FUNC]))
         self.live_bytes -= a[_SIZE]
+
+    def check_resize(self, storage, op: str, shape: str, source) -> None:
+        """An op grew (or shrank) an existing storage in place (``out=`` into an empty
+        tensor, ``resize_``): log it as the old size freed and the new size allocated."""
+        cdata = storage._cdata
+        entry = self._live.get(cdata)
+        if entry is None:
+            return
+        old = self.rows[entry[1]]
+        size = storage.nbytes()
+        if size == old[_SIZE]:
+            return
+        self._log_free(entry[1])
+        new_sid = self._log_alloc(cdata, size, old[_DEVICE], old[_DTYPE], shape, op,
+                                  self.module, source)
+        mark = self._marks.get(old[_SID])
+        if mark is not None:
+            self._marks[new_sid] = mark
 
     # --- categories --------------------------------------------------------------------
     def mark(self, storage, category: str) -> None:

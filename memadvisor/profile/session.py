@@ -75,6 +75,7 @@ class ProfileSession:
         self.stopped_at_steps = False
         self._stop_after_backward = False
         self._model_snapshot: dict = {}
+        self._batch_root_seen = False
         # id(parameter) -> owning module path ('blocks.0.attn'); ids stay valid because the
         # model outlives every step we record
         self._param_owner: dict[int, str] = {}
@@ -143,6 +144,8 @@ class ProfileSession:
             self._forward_begins()
 
     def _forward_begins(self) -> None:
+        if self.recorder.phase != schema.FORWARD:
+            self._batch_root_seen = False  # the first root of this forward describes the batch
         if self._backward_since_forward:
             self._backward_since_forward = False
             if self._counting_backward():
@@ -155,14 +158,21 @@ class ProfileSession:
     def _root_forward(self, module: torch.nn.Module, args: tuple) -> None:
         self._forward_begins()
         self._scan_module(module)
-        batch = [t for t in _tensors(args, None)]
-        for tensor in batch:
+        batch = []
+        for tensor in _tensors(args, None):
             storage = _storage(tensor)
-            if storage is not None:
-                self._register_existing(tensor, storage)
+            if storage is None:
+                continue
+            self._register_existing(tensor, storage)
+            # the batch was made between steps; a loss module's inputs (logits) were made
+            # by the forward and are not input data
+            if self.recorder.created_phase(storage) == schema.OTHER_PHASE:
                 self.recorder.mark(storage, schema.INPUT)
-        self._batch = {"shapes": [list(t.shape) for t in batch],
-                       "dtypes": [str(t.dtype).removeprefix("torch.") for t in batch]}
+                batch.append(tensor)
+        if batch and not self._batch_root_seen:
+            self._batch = {"shapes": [list(t.shape) for t in batch],
+                           "dtypes": [str(t.dtype).removeprefix("torch.") for t in batch]}
+        self._batch_root_seen = True
         self.recorder.phase = schema.FORWARD
 
     def _scan_module(self, module: torch.nn.Module) -> None:

@@ -6,7 +6,8 @@ activation, temporary, input or other scales with the batch when its *first* dim
 * the batch size ``B`` recorded in ``meta.batch['batch_size']``, or
 * ``B`` times the product of leading non-batch dimensions of a batch tensor (a (B, T)
   token batch makes (B*T, C) flattened activations), or
-* another multiple of ``B`` (B*heads, ...) *and* the shape is not a parameter's shape
+* another multiple of ``B`` (B*heads, ...) in a tensor of two or more dimensions *and*
+  the shape is not a parameter's shape
   (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay).
 
 Limits: with ``B == 1`` every first dimension is a multiple of B, so only the first two
@@ -48,9 +49,10 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
         multiples = batch_multiples(batch)
         shapes, inverse = np.unique(timeline.shape.astype(str), return_inverse=True)
         first = np.array([int(s.split(",")[0]) if s else 0 for s in shapes], np.int64)
+        ndim = np.array([len(s.split(",")) if s else 0 for s in shapes], np.int64)
         is_param_shape = np.array([s in parameter_shapes for s in shapes])
         exact = np.isin(first, list(multiples))
-        other = (first % size == 0) & (first > 0) & ~is_param_shape & (size > 1)
+        other = (first % size == 0) & (first > 0) & ~is_param_shape & (size > 1) & (ndim >= 2)
         by_shape = exact | other
         flags = (by_shape[inverse]
                  & np.isin(timeline.category, _SCALING_CATEGORIES)

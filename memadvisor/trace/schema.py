@@ -61,7 +61,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "shape": ("dict", "shape of that tensor as comma-separated ints ('' for a scalar)"),
     "category": ("dict", "one of CATEGORIES: the storage's role over its whole life"),
     "op": ("dict", "aten op that allocated the storage, e.g. 'aten::mm' ('' if unknown)"),
-    "module": ("dict", "module path active at allocation, e.g. 'blocks.3.attn' ('' = top)"),
+    "module": ("dict", "module path active at allocation ('blocks.3.attn', '' = top); for "
+               "parameters, buffers, gradients and optimizer state the owning module"),
     "phase": ("dict", "one of PHASES at the time of the event"),
     "step": ("int32", "training step index at the time of the event, 0-based"),
     "source_file": ("dict", "innermost user-code file at allocation ('' if none)"),

@@ -1,0 +1,103 @@
+"""Activation checkpointing (non-reentrant ``torch.utils.checkpoint``) as a stream transform.
+
+For each checkpointed region (a module path and its submodules; '' is the whole model):
+
+* forward: activations the region saves for its own backward (allocated in the region's
+  forward, still alive when the region's backward starts) are freed when the region's
+  forward ends instead;  the region's output, saved downstream, keeps its lifetime;
+* backward: just before the region's first backward allocation its forward is replayed
+  (activations and temporaries, in their order) up to the last saved tensor (non-reentrant
+  checkpoint stops recomputing early there); recomputed activations then die at their
+  original backward frees, recomputed temporaries as they did in forward;
+* on a CPU model, ``preserve_rng_state`` keeps a copy of the CPU generator state
+  (``CPU_RNG_STATE_BYTES``) from the region's forward until its recompute.
+
+Regions are located from alloc events only: a free row carries its storage's allocation
+module, not the module running when it is freed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..trace import schema
+from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
+
+CPU_RNG_STATE_BYTES = 5056  #: torch.get_rng_state() of the default CPU generator (mt19937)
+
+_FORWARD = PHASE_CODE[schema.FORWARD]
+_BACKWARD = PHASE_CODE[schema.BACKWARD]
+
+
+@dataclass(frozen=True)
+class RegionEffect:
+    path: str
+    freed_bytes: int  #: activations no longer kept between forward and backward
+    recompute_positions: tuple[int, int]  #: forward event span replayed in backward
+
+
+def _in_region(modules: list[str], region: str) -> np.ndarray:
+    if region == "":
+        return np.ones(len(modules), bool)
+    return np.array([m == region or m.startswith(region + ".") for m in modules])
+
+
+def apply_checkpoint(timeline: Timeline, regions: list[str], device_type: str = "cpu"
+                     ) -> tuple[Timeline, list[RegionEffect]]:
+    effects = []
+    for region in regions:
+        timeline, effect = _checkpoint_region(timeline, region, device_type)
+        if effect is not None:
+            effects.append(effect)
+    return timeline, effects
+
+
+def _checkpoint_region(timeline: Timeline, region: str, device_type: str):
+    member = _in_region(timeline.modules, region)
+    allocs = timeline.event_is_alloc & member[timeline.event_module]
+    forward_allocs = np.flatnonzero(allocs & (timeline.event_phase == _FORWARD))
+    backward_allocs = np.flatnonzero(allocs & (timeline.event_phase == _BACKWARD))
+    if not len(forward_allocs) or not len(backward_allocs):
+        return timeline, None
+    start, end = int(forward_allocs[0]), int(forward_allocs[-1])
+    backward_start = int(backward_allocs[0])
+
+    in_span = (timeline.alloc_key >= start) & (timeline.alloc_key <= end)
+    row_member = member[timeline.module] & in_span
+    activation = timeline.category == CATEGORY_CODE[schema.ACTIVATION]
+    saved = row_member & activation & (timeline.free_key >= backward_start)
+    if not saved.any():
+        return timeline, None
+    last_saved = float(timeline.alloc_key[saved].max())
+
+    # recompute: rows of the region made up to the last saved one, replayed before backward
+    replay = row_member & (timeline.alloc_key <= last_saved) & (timeline.size > 0)
+    span = last_saved - start + 2.0
+
+    def squeeze(key):
+        return backward_start - 1.0 + (key - start + 1.0) / (span + 1.0)
+
+    recompute_end = squeeze(last_saved + 0.5)
+    new_alloc = squeeze(timeline.alloc_key[replay])
+    freed_in_span = timeline.free_key[replay] <= last_saved
+    new_free = np.where(saved[replay], timeline.free_key[replay],
+                        np.where(freed_in_span, squeeze(timeline.free_key[replay]),
+                                 recompute_end))
+    free_key = timeline.free_key.copy()
+    free_key[saved] = end + 0.5
+    out = timeline.retimed(timeline.alloc_key, free_key)
+    rows = {name: getattr(timeline, name)[replay] for name in (
+        "size", "category", "dtype", "module", "phase", "op", "scales_with_batch", "shape")}
+    rows["alloc_key"], rows["free_key"] = new_alloc, new_free
+    # recomputed tensors are made in backward; temporaries stay temporaries
+    rows["phase"] = np.full(int(replay.sum()), _BACKWARD, np.int8)
+    out = out.appended(rows)
+    if device_type == "cpu":
+        out = out.appended({
+            "size": np.array([CPU_RNG_STATE_BYTES], float),
+            "alloc_key": np.array([start - 0.5]), "free_key": np.array([recompute_end]),
+            "category": np.array([CATEGORY_CODE[schema.OTHER]], np.int8),
+            "phase": np.array([_FORWARD], np.int8)})
+    effect = RegionEffect(region, int(timeline.size[saved].sum()), (start, int(last_saved)))
+    return out, effect

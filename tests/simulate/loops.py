@@ -1,0 +1,86 @@
+"""Small training loops, each a hand-modified copy of one baseline, profiled in-process.
+
+The measured peak of a modified loop (checkpointing, micro-batches, another optimizer, bf16)
+is what the simulator must predict from the baseline loop's trace alone.  Torch is imported
+here, in tests only: ``memadvisor.simulate`` never imports it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from memadvisor.profile.session import ProfileSession, StopProfiling
+from memadvisor.trace.io import Trace
+from memadvisor.trace.analysis import analysed_step
+
+BATCH, SEQ, D_MODEL, VOCAB, LAYERS = 8, 32, 64, 128, 3
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(self.act(self.fc(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, checkpointed=False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D_MODEL)
+        self.blocks = nn.ModuleList(Block(D_MODEL) for _ in range(LAYERS))
+        self.head = nn.Linear(D_MODEL, VOCAB)
+        self.checkpointed = checkpointed
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            if self.checkpointed:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+def run(*, checkpointed=False, accum=1, optimizer="adamw", dtype=torch.float32,
+        batch=BATCH, steps=3) -> Trace:
+    """Profile ``steps`` optimizer steps of TinyLM with one modification; returns the trace."""
+    torch.manual_seed(0)
+    model = TinyLM(checkpointed).to(dtype)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    elif optimizer == "sgd-momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:
+        raise ValueError(optimizer)
+    gen = torch.Generator().manual_seed(0)
+    session = ProfileSession(steps=steps)
+    try:
+        with session:
+            for _ in range(steps + 1):
+                tokens = torch.randint(VOCAB, (batch, SEQ + 1), generator=gen)
+                x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+                opt.zero_grad(set_to_none=True)
+                micro = batch // accum
+                for k in range(accum):
+                    xs, ys = x[k * micro:(k + 1) * micro], y[k * micro:(k + 1) * micro]
+                    logits = model(xs)
+                    loss = F.cross_entropy(logits.float().view(-1, VOCAB), ys.reshape(-1))
+                    (loss / accum).backward()
+                opt.step()
+    except StopProfiling:
+        pass
+    table, meta = session.build()
+    return Trace(events=table.to_pandas(), meta=meta)
+
+
+def measured_peak(trace: Trace) -> int:
+    return int(trace.meta.steps[analysed_step(trace)]["peak_bytes"])
