@@ -35,19 +35,39 @@
 //   allocator, and the alloc event *after* it was obtained, so address reuse is
 //   always ordered correctly (free of p precedes the next alloc of p) even
 //   across threads.
+// * Callers that bypass GetAllocator(CPU) and use c10::GetDefaultCPUAllocator()
+//   directly (Python-constructed storages: torch.UntypedStorage(n), its
+//   resize_(), TypedStorage, and so storage.clone(), copy.deepcopy of tensors
+//   and unpickling) are not seen by the SetAllocator wrapper.  The opt-in
+//   ma_cover_default_allocator() closes that gap by re-pointing the vtable
+//   pointer of the default allocator object itself (c10::g_cpu_alloc, a
+//   stateless object holding only a vptr) at a forwarder into the hook, after
+//   checking that it is a c10::DefaultCPUAllocator sitting in writable memory.
+//   This relies on DefaultCPUAllocator having no data members (true up to at
+//   least torch 2.13) and is undefined behaviour by the letter of C++, hence
+//   opt-in.
 // * Zero-size allocations (and allocations returning nullptr / no deleter) are
 //   passed through untouched and record nothing.
 // * All state is heap-allocated and intentionally leaked so that frees that
 //   happen during static destruction at process exit stay safe.
+// * fork(): pthread_atfork handlers hold the mutex across fork() so a child
+//   never inherits it locked by a thread that does not exist there.  In the
+//   child, recording is switched off and pending events are dropped (nobody
+//   drains a DataLoader worker's buffer); the wrapper keeps forwarding and
+//   tracking live bytes there.
 
 #include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/DeviceType.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <cstdio>
+#include <typeinfo>
 #include <mutex>
+#include <pthread.h>
 #include <unordered_map>
 #include <vector>
 
@@ -163,12 +183,72 @@ struct HookAllocator final : public c10::Allocator {
     orig_->copy_data(dest, src, count);
   }
 
+  void set_orig(c10::Allocator* orig) {
+    __atomic_store_n(&orig_, orig, __ATOMIC_SEQ_CST);
+  }
+
  private:
   c10::Allocator* orig_;
 };
 
+void atfork_prepare() {
+  st().mu.lock();
+}
+
+void atfork_parent() {
+  st().mu.unlock();
+}
+
+void atfork_child() {
+  State& s = st();
+  s.recording.store(false, std::memory_order_relaxed);
+  s.events.clear();
+  s.events.shrink_to_fit();
+  s.head = 0;
+  s.mu.unlock();
+}
+
 std::mutex g_install_mu;
 HookAllocator* g_hook = nullptr;  // leaked on purpose
+bool g_default_covered = false;
+
+// Takes the place of the default CPU allocator's vtable (see header comment).
+// Must have no data members: it is never constructed in the object it serves.
+struct DefaultForwarder final : public c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    return g_hook->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return g_hook->raw_deleter();
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    g_hook->copy_data(dest, src, count);
+  }
+};
+static_assert(sizeof(DefaultForwarder) == sizeof(void*), "forwarder must be a bare vptr");
+
+// Whether [p, p+n) lies in a writable private mapping of this process.
+bool is_writable(const void* p, size_t n) {
+  FILE* f = std::fopen("/proc/self/maps", "r");
+  if (f == nullptr) {
+    return false;
+  }
+  const auto lo = reinterpret_cast<uintptr_t>(p);
+  const auto hi = lo + n;
+  bool ok = false;
+  char line[512];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long start = 0, end = 0;
+    char perms[8] = {0};
+    if (std::sscanf(line, "%lx-%lx %7s", &start, &end, perms) == 3 && lo >= start &&
+        hi <= end) {
+      ok = perms[1] == 'w';
+      break;
+    }
+  }
+  std::fclose(f);
+  return ok;
+}
 
 }  // namespace
 
@@ -178,7 +258,8 @@ HookAllocator* g_hook = nullptr;  // leaked on purpose
 
 // Installs the wrapper around the current CPU allocator.  Idempotent.
 // Returns 0 on success, 1 if there is no CPU allocator, 2 if SetAllocator did
-// not take effect (someone registered at a higher priority), 3 on exception.
+// not take effect (someone registered at a higher priority), 3 on exception
+// or if pthread_atfork failed.
 MA_API int ma_install(void) {
   try {
     std::lock_guard<std::mutex> g(g_install_mu);
@@ -190,6 +271,9 @@ MA_API int ma_install(void) {
       return 1;
     }
     st().orig = cur;
+    if (pthread_atfork(&atfork_prepare, &atfork_parent, &atfork_child) != 0) {
+      return 3;
+    }
     auto* hook = new HookAllocator(cur);
     // Only an equal or higher priority can overwrite; the default CPU
     // allocator registers at 0.  255 is the maximum (uint8_t).
@@ -199,6 +283,55 @@ MA_API int ma_install(void) {
   } catch (...) {
     return 3;
   }
+}
+
+// Opt-in: also route c10::GetDefaultCPUAllocator()'s direct users through the
+// hook (see header comment).  Requires ma_install() first.  Idempotent.
+// Returns 0 on success; 1 if the hook is not installed; 2 if the wrapped
+// allocator is not the default CPU allocator; 3 if that object is not a
+// c10::DefaultCPUAllocator; 4 if it is not in writable memory; 5 on exception.
+MA_API int ma_cover_default_allocator(void) {
+  try {
+    std::lock_guard<std::mutex> g(g_install_mu);
+    if (g_default_covered) {
+      return 0;
+    }
+    if (g_hook == nullptr) {
+      return 1;
+    }
+    State& s = st();
+    c10::Allocator* def = c10::GetDefaultCPUAllocator();
+    if (def == nullptr || def != s.orig) {
+      return 2;
+    }
+    if (std::strcmp(typeid(*def).name(), "N3c1019DefaultCPUAllocatorE") != 0) {
+      return 3;
+    }
+    if (!is_writable(def, sizeof(void*))) {
+      return 4;
+    }
+    // A stand-alone copy of the default allocator (same vptr; it is stateless)
+    // becomes what the hook forwards to...
+    auto* clone_mem = new void*[1];
+    std::memcpy(clone_mem, def, sizeof(void*));
+    auto* clone = reinterpret_cast<c10::Allocator*>(clone_mem);
+    s.orig = clone;
+    g_hook->set_orig(clone);
+    // ...and the default allocator object itself starts forwarding to the hook.
+    static DefaultForwarder proto;
+    void* vptr = nullptr;
+    std::memcpy(&vptr, static_cast<void*>(&proto), sizeof(void*));
+    __atomic_store_n(reinterpret_cast<void**>(def), vptr, __ATOMIC_SEQ_CST);
+    g_default_covered = true;
+    return 0;
+  } catch (...) {
+    return 5;
+  }
+}
+
+MA_API int ma_default_covered(void) {
+  std::lock_guard<std::mutex> g(g_install_mu);
+  return g_default_covered ? 1 : 0;
 }
 
 MA_API int ma_installed(void) {

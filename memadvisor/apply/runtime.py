@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib.util
 import warnings
 
@@ -89,7 +90,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
 
     if sharding.init_process_group(device_type, ranks):
         _owns_process_group = True
-        atexit.register(_destroy_process_group)
+        atexit.register(finish)
     module, warning = sharding.convert_batch_norm(model, plan, device_type)
     if warning and ranks.rank == 0:
         warnings.warn(f"memadvisor: {warning}", stacklevel=2)
@@ -188,19 +189,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 def finish(save_parameters: str | None = None, destroy_process_group: bool = True) -> None:
     """End the session: optionally save the full parameters (rank 0 writes), then leave the
     process group if prepare created it."""
-    global _session
+    global _session, _owns_process_group
     session, _session = _session, None
     if session is not None and save_parameters:
         params = session.full_parameters()
         if session.ranks.rank == 0:
             torch.save({"plan": str(session.plan), "names": list(params),
                         "tensors": list(params.values())}, save_parameters)
-    if destroy_process_group:
-        _destroy_process_group()
-
-
-def _destroy_process_group() -> None:
-    global _owns_process_group
-    if _owns_process_group and dist.is_initialized():
+    del session
+    if destroy_process_group and _owns_process_group and dist.is_initialized():
+        # DDP and ZeroRedundancyOptimizer objects still alive when the group goes away
+        # can abort the process at exit ("terminate called without an active exception")
+        gc.collect()
         dist.destroy_process_group()
-    _owns_process_group = False
+        _owns_process_group = False

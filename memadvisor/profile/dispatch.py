@@ -32,12 +32,18 @@ class TrackingMode(TorchDispatchMode):
         #: (module, phase, op) -> [calls, flops]; FLOPs only for the ops that dominate
         self.op_stats: dict[tuple[str, str, str], list[int]] = {}
         self.flop_counter = _FlopCounter()
+        #: the native CPU allocator hook (memadvisor.profile.native), when available
+        self.native = None
+        self._internal_blocks: dict[int, int] = {}  # data ptr -> alloc row
         #: set by the session: notices the start of backward before the op is logged
         self.before_op = lambda args, kwargs: None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.before_op(args, kwargs)
+        native = self.native
+        if native is not None:
+            self._absorb_native(native.drain(), None, "")
         recorder = self.recorder
         phase = recorder.phase
         op_name = self._op_names.get(func)
@@ -55,19 +61,24 @@ class TrackingMode(TorchDispatchMode):
                 # made between steps and fed to the forward: the batch (or targets)
                 recorder.mark(storage, schema.INPUT)
         out = func(*args, **kwargs)
+        if native is not None:
+            self._absorb_native(native.drain(), out, op_name)
         cast = func in self.autocast_cast_ops
         for tensor in _tensors(out, None):
             storage = _storage(tensor)
             if storage is None:
                 continue
             if recorder.lookup(storage) is not None:
-                if storage.nbytes() != recorder.size_of(storage):
+                if storage.nbytes() > recorder.size_of(storage):
                     recorder.check_resize(storage, op_name, self._shape(tensor),
                                           self.locator.locate(2))
                 continue
             self._log_alloc(tensor, storage, op_name)
-            if cast and _is_parameter_cast(recorder, args):
-                recorder.mark(storage, schema.AUTOCAST_WEIGHT)
+        if cast and _is_parameter_cast(recorder, args):
+            # autocast's low-precision copy of a weight (cached for the whole forward)
+            for storage in map(_storage, _tensors(out, None)):
+                if storage is not None:
+                    recorder.mark(storage, schema.AUTOCAST_WEIGHT)
         key = (recorder.module, phase, op_name)
         stats = self.op_stats.get(key)
         if stats is None:
@@ -76,7 +87,52 @@ class TrackingMode(TorchDispatchMode):
         stats[1] += self.flop_counter.flops(func, args, kwargs, out)
         return out
 
-    def _log_alloc(self, tensor, storage, op_name: str) -> None:
+    def _absorb_native(self, drained, out, op_name: str) -> None:
+        """Merge the allocator hook's events of one op, in the allocator's order: output
+        storages are logged where they were allocated, kernel-internal blocks (oneDNN
+        scratch, reorders) as raw buffers, so the peak inside the op is exact."""
+        kinds, ptrs, sizes = drained
+        if not len(kinds):
+            return
+        outputs = {}
+        if out is not None:
+            # new storages, and known ones an op may have re-allocated (out= resize)
+            for tensor in _tensors(out, None):
+                storage = _storage(tensor)
+                if storage is not None:
+                    outputs[storage.data_ptr()] = (tensor, storage)
+        internal = self._internal_blocks
+        kinds, ptrs, sizes = kinds.tolist(), ptrs.tolist(), sizes.tolist()
+        # an address can serve a scratch block first and the output after it: the output
+        # is the last allocation at its address in this op
+        last_alloc = {}
+        for index, (kind, ptr) in enumerate(zip(kinds, ptrs)):
+            if kind > 0 and ptr in outputs:
+                last_alloc[ptr] = index
+        source = None
+        for index, (kind, ptr, size) in enumerate(zip(kinds, ptrs, sizes)):
+            if kind > 0:
+                if out is None:
+                    continue  # made between ops (torch.tensor(list), ...): logged at first use
+                if last_alloc.get(ptr) == index:
+                    tensor, storage = outputs[ptr]
+                    # the allocation can be larger than the storage (oneDNN rounds up)
+                    size = max(size, storage.nbytes())
+                    if self.recorder.lookup(storage) is None:
+                        self._log_alloc(tensor, storage, op_name, size)
+                    else:
+                        self.recorder.check_resize(storage, op_name, self._shape(tensor),
+                                                   self.locator.locate(2), size)
+                    continue
+                if source is None:
+                    source = self.locator.locate(2)
+                internal[ptr] = self.recorder.internal_alloc(size, "cpu", op_name, source)
+            else:
+                row = internal.pop(ptr, None)
+                if row is not None:
+                    self.recorder.internal_free(row)
+
+    def _log_alloc(self, tensor, storage, op_name: str, size_bytes: int | None = None) -> None:
         device = tensor.device
         if device.type in _SKIP_DEVICES:
             return
@@ -84,7 +140,7 @@ class TrackingMode(TorchDispatchMode):
         if dtype is None:
             dtype = self._dtype_names[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
         self.recorder.alloc(storage, str(device), dtype, self._shape(tensor), op_name,
-                            self.locator.locate(3))
+                            self.locator.locate(3), size_bytes)
 
     def _shape(self, tensor) -> str:
         size = tensor.shape

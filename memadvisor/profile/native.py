@@ -30,7 +30,14 @@ Semantics worth knowing (details in ``cuda_hooks/README.md``):
     * while recording is on, every free is logged, including frees of allocations made
       after install but before ``start()``; allocations made before install are
       invisible (neither their allocation nor their free is ever logged);
-    * zero-byte allocations are not logged.
+    * zero-byte allocations are not logged;
+    * the wrapper is registered with ``c10::SetAllocator``, so it sees what goes through
+      ``c10::GetAllocator(CPU)`` (every ATen op and kernel).  Storages built from Python
+      (``torch.UntypedStorage(n)``, ``storage.clone()`` and so ``copy.deepcopy``,
+      unpickling) call ``c10::GetDefaultCPUAllocator()`` directly and are missed unless
+      :meth:`AllocatorHook.cover_default_allocator` (opt-in) is called;
+    * weakref callbacks of a dying tensor/storage run *before* its native free is
+      recorded.
 """
 from __future__ import annotations
 
@@ -96,7 +103,10 @@ def _find_compiler(compiler: str | None) -> str:
 
 
 def _torch_paths() -> tuple[str, Path, Path, int]:
-    import torch
+    try:
+        import torch
+    except ImportError as exc:
+        raise NativeHookUnavailable(f"torch is not importable: {exc}") from None
 
     root = Path(torch.__file__).resolve().parent
     include, lib = root / "include", root / "lib"
@@ -182,6 +192,7 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
             raise NativeHookUnavailable(
                 f"building the allocator hook failed ({Path(cxx).name} exit "
                 f"{proc.returncode}): {_first_error_line(log)}", log=log)
+        os.chmod(tmp, 0o755)
         os.replace(tmp, out)  # atomic: concurrent builders never see a partial file
     finally:
         tmp.unlink(missing_ok=True)
@@ -208,6 +219,8 @@ def _bind(lib: ctypes.CDLL) -> None:
         "ma_peak_bytes": (ctypes.c_int64, []),
         "ma_reset_peak": (None, []),
         "ma_api_version": (ctypes.c_int, []),
+        "ma_cover_default_allocator": (ctypes.c_int, []),
+        "ma_default_covered": (ctypes.c_int, []),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -226,9 +239,14 @@ _EMPTY_U64 = _frozen_empty(np.uint64)
 
 _lock = threading.Lock()
 _instance: "AllocatorHook | None" = None
+_COVER_ERRORS = {1: "the hook is not installed",
+                 2: "the wrapped allocator is not c10's default CPU allocator",
+                 3: "the default CPU allocator is not a c10::DefaultCPUAllocator",
+                 4: "the default CPU allocator is not in writable memory",
+                 5: "c10 raised while covering the default allocator"}
 _INSTALL_ERRORS = {1: "there is no CPU allocator to wrap",
                    2: "another CPU allocator is registered at a higher priority",
-                   3: "c10 raised while installing the allocator"}
+                   3: "c10 raised (or pthread_atfork failed) while installing"}
 
 
 class AllocatorHook:
@@ -282,6 +300,23 @@ class AllocatorHook:
                     f"installing the allocator hook failed: {_INSTALL_ERRORS.get(rc, rc)}")
             _instance = cls(lib, path)
             return _instance
+
+    def cover_default_allocator(self) -> None:
+        """Also see allocations that bypass ``GetAllocator(CPU)`` and call
+        ``c10::GetDefaultCPUAllocator()`` directly: storages built from Python
+        (``torch.UntypedStorage(n)``, its ``resize_()``, ``storage.clone()``, so
+        ``copy.deepcopy`` of tensors and modules, unpickling).  Opt-in and irreversible:
+        it re-points the vtable pointer of c10's (stateless) default allocator object at
+        a forwarder into the hook.  Raises NativeHookUnavailable(reason) when the safety
+        checks fail (then nothing was changed)."""
+        rc = self._lib.ma_cover_default_allocator()
+        if rc != 0:
+            raise NativeHookUnavailable(
+                f"cannot cover the default CPU allocator: {_COVER_ERRORS.get(rc, rc)}")
+
+    @property
+    def default_covered(self) -> bool:
+        return bool(self._lib.ma_default_covered())
 
     # --- recording ---------------------------------------------------------------------
     def start(self) -> None:

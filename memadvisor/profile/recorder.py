@@ -66,20 +66,23 @@ class EventRecorder:
         return None if entry is None else self.rows[entry[1]][_PHASE]
 
     def alloc(self, storage, device: str, dtype: str, shape: str, op: str,
-              source: tuple[str, int, str]) -> int:
-        """Log a storage we have not seen; returns its sid."""
+              source: tuple[str, int, str], size_bytes: int | None = None) -> int:
+        """Log a storage we have not seen; returns its sid.  ``size_bytes`` is the
+        allocator's block size where the native hook saw it (else the storage's bytes)."""
         cdata = storage._cdata
-        sid = self._log_alloc(cdata, storage.nbytes(), device, dtype, shape, op, self.module,
+        size = storage.nbytes() if size_bytes is None else size_bytes
+        sid = self._log_alloc(cdata, size, device, dtype, shape, op, self.module,
                               source)
         # keyed by the storage's address, not the sid: a resize gives the storage a new sid
         self._refs[cdata] = weakref.ref(storage, lambda _ref, cdata=cdata: self._free(cdata))
         return sid
 
-    def _log_alloc(self, cdata: int, size: int, device, dtype, shape, op, module,
+    def _log_alloc(self, cdata: int | None, size: int, device, dtype, shape, op, module,
                    source) -> int:
         sid = self._next_sid
         self._next_sid += 1
-        self._live[cdata] = (sid, len(self.rows))
+        if cdata is not None:
+            self._live[cdata] = (sid, len(self.rows))
         self.rows.append((self._clock() - self.start_ns, schema.ALLOC, sid, size, device, dtype,
                           shape, op, module, self.phase, source[0], source[1], source[2]))
         self.live_bytes += size
@@ -103,7 +106,20 @@ class EventRecorder:
                           a[_FILE], a[_LINE], a[_FUNC]))
         self.live_bytes -= a[_SIZE]
 
-    def check_resize(self, storage, op: str, shape: str, source) -> None:
+    def internal_alloc(self, size: int, device: str, op: str, source) -> int:
+        """A block a kernel allocated for itself (seen only by the native allocator hook):
+        a raw byte buffer with no tensor.  Returns its alloc row for ``internal_free``."""
+        row = len(self.rows)
+        self._log_alloc(None, size, device, schema.RAW_BYTES_DTYPE, str(size), op, self.module,
+                        source)
+        return row
+
+    def internal_free(self, alloc_row: int) -> None:
+        if self.enabled:
+            self._log_free(alloc_row)
+
+    def check_resize(self, storage, op: str, shape: str, source,
+                     size_bytes: int | None = None) -> None:
         """An op grew (or shrank) an existing storage in place (``out=`` into an empty
         tensor, ``resize_``): log it as the old size freed and the new size allocated."""
         cdata = storage._cdata
@@ -111,8 +127,8 @@ class EventRecorder:
         if entry is None:
             return
         old = self.rows[entry[1]]
-        size = storage.nbytes()
-        if size == old[_SIZE]:
+        size = storage.nbytes() if size_bytes is None else size_bytes
+        if size <= old[_SIZE]:
             return
         self._log_free(entry[1])
         new_sid = self._log_alloc(cdata, size, old[_DEVICE], old[_DTYPE], shape, op,

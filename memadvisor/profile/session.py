@@ -47,13 +47,15 @@ class StepTimeout(BaseException):
 class ProfileSession:
     def __init__(self, steps: int | None = None, *, step_boundary: str = "auto",
                  timeout_s: float | None = None, script: str | None = None,
-                 on_step: Callable[[dict], None] | None = None):
+                 on_step: Callable[[dict], None] | None = None, native_hook: bool = True):
         if step_boundary not in ("auto", "optimizer", "backward"):
             raise ValueError(f"step_boundary must be auto, optimizer or backward: {step_boundary}")
         self.steps_requested = steps
         self.step_boundary = step_boundary
         self.timeout_s = timeout_s
         self.on_step = on_step
+        self.use_native_hook = native_hook
+        self.native_status = "off"
         self.recorder = EventRecorder()
         self.locator = SourceLocator((script,) if script else ())
         self.mode = TrackingMode(self.recorder, self.locator)
@@ -93,6 +95,7 @@ class ProfileSession:
         ]
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saved_hooks.__enter__()
+        self._start_native_hook()
         self.mode.__enter__()
         self._last_progress = time.monotonic()
         if self.timeout_s:
@@ -101,6 +104,22 @@ class ProfileSession:
             self._watchdog.start()
         return self
 
+    def _start_native_hook(self) -> None:
+        """See allocations made inside kernels too (CPU), when the hook can be built."""
+        if not self.use_native_hook:
+            self.native_status = "off"
+            return
+        from .native import AllocatorHook, NativeHookUnavailable
+        try:
+            hook = AllocatorHook.load()
+        except NativeHookUnavailable as exc:
+            self.native_status = f"unavailable: {exc}"
+            return
+        hook.clear()
+        hook.start()
+        self.mode.native = hook
+        self.native_status = "on"
+
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -108,6 +127,10 @@ class ProfileSession:
         if not self._stack:
             return
         self.mode.__exit__(None, None, None)
+        if self.mode.native is not None:
+            self.mode.native.stop()
+            self.mode.native.clear()
+            self.mode.native = None
         self._saved_hooks.__exit__(None, None, None)
         self.modules.__exit__(None, None, None)
         for handle in self._stack[1:]:
@@ -331,8 +354,9 @@ class ProfileSession:
             **self._model_snapshot,
         )
         meta.steps = self._step_infos(table, boundaries)
+        meta.allocator = {"cpu_native_hook": self.native_status}
         if meta.device.startswith("cuda"):
-            meta.allocator = {"settings": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+            meta.allocator["settings"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         return table, meta
 
     def _snapshot_model(self) -> None:

@@ -74,7 +74,7 @@ def budget_check(summary: dict[str, Any], budget_bytes: int) -> CheckResult:
     fb = format_bytes
     if peak <= budget_bytes:
         message = (f"peak {fb(peak)} ({_where(summary)}) fits the {fb(budget_bytes)} budget, "
-                   f"{fb(budget_bytes - peak)} to spare ({100 * peak / budget_bytes:.0f}% used)")
+                   f"{fb(budget_bytes - peak)} to spare ({100 * peak / budget_bytes:.1f}% used)")
     else:
         message = (f"peak {fb(peak)} ({_where(summary)}) is over the {fb(budget_bytes)} "
                    f"budget by {fb(peak - budget_bytes)}")

@@ -1,27 +1,33 @@
 """The one place reports reach the simulator: plan predictions for the plan section.
 
-The simulator is optional to a report: when ``memadvisor.simulate`` lacks its entry points
-the report says so in its plan section and still judges the measured peak against the
-budget.  The interface expected (docs/REPORTS.md, "Plan predictions"):
+Reports need little from the simulator, and need it in one shape (docs/REPORTS.md, "Plan
+predictions"):
 
-- ``memadvisor.simulate.advise(trace, budget_bytes=int | None, num_gpus=int) -> list[dict]``
-  ranked best first;
-- ``memadvisor.simulate.simulate(trace, plan_spec: str) -> dict``;
+- ``advise(trace, budget_bytes, num_gpus) -> list[dict]``: plans ranked best first;
+- ``simulate(trace, plan_spec, budget_bytes) -> dict``: one plan;
 
 each dict with ``plan`` (str), ``peak_bytes``, ``reserved_bytes``, ``step_time_factor``,
-``changes`` (str), ``fits`` (bool) and optionally ``timeline``: ``[(x, live_bytes), ...]``
-where x is a time or an event number.
+``changes`` (str), ``fits`` (bool, or None without a budget) and optionally ``timeline``:
+``[(x, live_bytes), ...]`` where x is a time or an event position.
+
+``_simulator()`` binds those two to ``memadvisor.simulate`` (``prepare``, ``hardware``,
+``advise``, ``simulate``); it is the only code that knows the simulator's own API.  Without
+the simulator, or when it refuses a trace (a ``UserError``, e.g. no complete step), the
+report says so in its plan section and still judges the measured peak against the budget.
 """
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+from ..errors import UserError
 from ..trace.io import Trace
 
 UNAVAILABLE = "plan predictions unavailable: simulator not installed in this version"
 REQUIRED_KEYS = ("plan", "peak_bytes", "reserved_bytes", "step_time_factor", "changes", "fits")
+#: plans shown that do not fit, after those that do (the nearest misses say what is close)
+SHOWN_OVER_BUDGET = 3
 
 
 @dataclass
@@ -31,8 +37,8 @@ class PlanPrediction:
     reserved_bytes: int
     step_time_factor: float
     changes: str
-    fits: bool
-    timeline: list[tuple[float, int]] | None = None  #: (time or event number, live bytes)
+    fits: bool | None  #: None: no budget to judge against
+    timeline: list[tuple[float, int]] | None = None  #: (time or event position, live bytes)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str) -> "PlanPrediction":
@@ -45,7 +51,8 @@ class PlanPrediction:
         return cls(plan=str(data["plan"]), peak_bytes=int(data["peak_bytes"]),
                    reserved_bytes=int(data["reserved_bytes"]),
                    step_time_factor=float(data["step_time_factor"]),
-                   changes=str(data["changes"]), fits=bool(data["fits"]),
+                   changes=str(data["changes"]),
+                   fits=None if data["fits"] is None else bool(data["fits"]),
                    timeline=None if timeline is None else
                    [(float(x), int(y)) for x, y in timeline])
 
@@ -54,19 +61,77 @@ class PlanPrediction:
 class PlanSection:
     """What the report's plan section shows."""
 
-    available: bool  #: False: the simulator is missing (``message`` says so)
+    available: bool  #: False: no predictions (``message`` says why)
     message: str = ""
     predictions: list[PlanPrediction] = field(default_factory=list)
     recommended: PlanPrediction | None = None
     requested: str = ""  #: 'plan' (--plan), 'budget' (--budget) or '' (neither)
 
 
-def _entry_point(name: str):
+@dataclass
+class Simulator:
+    """The two calls a report makes, in the shape documented above."""
+
+    advise: Callable[[Trace, int, int], list[dict[str, Any]]]
+    simulate: Callable[[Trace, str, int | None], dict[str, Any]]
+
+
+def _simulator() -> Simulator | None:
+    """``memadvisor.simulate`` seen through the report's interface (None when absent)."""
     try:
-        module = importlib.import_module("memadvisor.simulate")
+        sim = importlib.import_module("memadvisor.simulate")
+        explain = importlib.import_module("memadvisor.simulate.explain")
     except ImportError:
         return None
-    return getattr(module, name, None)
+    if not all(hasattr(sim, name) for name in ("prepare", "hardware", "advise", "simulate")):
+        return None
+    from ..plan import Plan
+
+    def as_dict(prediction, fits: bool | None, with_timeline: bool) -> dict[str, Any]:
+        plan = prediction.plan
+        reserved = prediction.reserved_bytes
+        return {"plan": plan.to_compact() or "none", "peak_bytes": prediction.peak_bytes,
+                "reserved_bytes": prediction.peak_bytes if reserved is None else reserved,
+                "step_time_factor": prediction.step_time_factor,
+                "changes": "; ".join(explain.changes(plan)) or "nothing (the script as is)",
+                "fits": fits,
+                "timeline": _timeline_pairs(prediction.timeline) if with_timeline else None}
+
+    def advise(trace: Trace, budget_bytes: int, num_gpus: int) -> list[dict[str, Any]]:
+        base = sim.prepare(trace)
+        result = sim.advise(base, sim.hardware(None, trace.meta.device), budget_bytes, num_gpus)
+        # only the recommended (first) plan's timeline is drawn
+        return ([as_dict(p, True, i == 0) for i, p in enumerate(result.ranked)]
+                + [as_dict(p, False, False) for p in result.too_big[:SHOWN_OVER_BUDGET]])
+
+    def simulate(trace: Trace, plan_spec: str, budget_bytes: int | None) -> dict[str, Any]:
+        base = sim.prepare(trace)
+        prediction = sim.simulate(base, Plan.parse(plan_spec),
+                                  sim.hardware(None, trace.meta.device))
+        data = as_dict(prediction, None, True)
+        if budget_bytes is not None:
+            data["fits"] = data["reserved_bytes"] <= budget_bytes
+        return data
+
+    return Simulator(advise=advise, simulate=simulate)
+
+
+def _timeline_pairs(timeline) -> list[tuple[float, int]] | None:
+    """The simulator's per-step timeline as (event position, live bytes) pairs, thinned
+    for drawing like the measured one (each bucket's min and max kept)."""
+    import numpy as np
+
+    from .timeline import MAX_BUCKETS, extreme_positions
+
+    if timeline is None or not hasattr(timeline, "live_curve"):
+        return None
+    live, order = timeline.live_curve()
+    keys = np.concatenate([timeline.free_key, timeline.alloc_key])[order]
+    # storages alive before the step carry key -1: draw them at the step's first event
+    keys = np.clip(keys, 0, max(int(getattr(timeline, "n_events", 1)) - 1, 0))
+    keep = extreme_positions(live, MAX_BUCKETS, (int(np.argmax(live)),) if len(live) else ())
+    return list(zip(keys[keep].astype(float).tolist(),
+                    np.rint(live[keep]).astype(np.int64).tolist()))
 
 
 def validate_plan_spec(plan_spec: str) -> None:
@@ -79,24 +144,29 @@ def validate_plan_spec(plan_spec: str) -> None:
 def predict_plans(trace: Trace, *, plan_spec: str | None = None,
                   budget_bytes: int | None = None, num_gpus: int = 1) -> PlanSection:
     """Predictions for ``--plan`` (that one plan) or ``--budget`` (ranked plans)."""
+    requested = "plan" if plan_spec is not None else ("budget" if budget_bytes else "")
     if plan_spec is not None:
         validate_plan_spec(plan_spec)
-        simulate = _entry_point("simulate")
-        if simulate is None:
-            return PlanSection(available=False, message=UNAVAILABLE, requested="plan")
-        prediction = PlanPrediction.from_dict(simulate(trace, plan_spec),
-                                              "memadvisor.simulate.simulate")
-        return PlanSection(available=True, predictions=[prediction], recommended=prediction,
-                           requested="plan")
-    if budget_bytes is None:
-        return PlanSection(available=_entry_point("advise") is not None,
-                           message="give --budget (and --gpus) or --plan for plan predictions")
-    advise = _entry_point("advise")
-    if advise is None:
-        return PlanSection(available=False, message=UNAVAILABLE, requested="budget")
-    predictions = [PlanPrediction.from_dict(p, "memadvisor.simulate.advise")
-                   for p in advise(trace, budget_bytes=budget_bytes, num_gpus=num_gpus)]
-    recommended = next((p for p in predictions if p.fits), None)
+    if not requested:
+        return PlanSection(available=False, message="pass --budget (and --gpus) or --plan "
+                                                    "for plan predictions")
+    simulator = _simulator()
+    if simulator is None:
+        return PlanSection(available=False, message=UNAVAILABLE, requested=requested)
+    try:
+        if plan_spec is not None:
+            raw = [simulator.simulate(trace, plan_spec, budget_bytes)]
+        else:
+            raw = simulator.advise(trace, budget_bytes, num_gpus)
+    except UserError as exc:  # e.g. no complete step, or no plan fits: say why, keep the report
+        return PlanSection(available=False, message=f"the simulator gave no plans: {exc}",
+                           requested=requested)
+    source = f"simulator {'simulate' if plan_spec is not None else 'advise'}"
+    predictions = [PlanPrediction.from_dict(p, source) for p in raw]
+    if plan_spec is not None:
+        recommended = predictions[0]
+    else:
+        recommended = next((p for p in predictions if p.fits), None)
     message = "" if recommended else "no plan the simulator knows fits this budget"
     return PlanSection(available=True, message=message, predictions=predictions,
-                       recommended=recommended, requested="budget")
+                       recommended=recommended, requested=requested)

@@ -75,8 +75,8 @@ def _layer_modules(layers: int, hostile: bool) -> list[str]:
 
 
 def make_events(events: int = 10_000, *, steps: int = 3, layers: int = 8,
-                activation_scale: float = 1.0, hostile: bool = True
-                ) -> tuple[dict[str, list], list[dict]]:
+                activation_scale: float = 1.0, hostile: bool = True,
+                all_categories: bool = False) -> tuple[dict[str, list], list[dict]]:
     """Column lists of about ``events`` events, and the per-step info for the metadata."""
     modules = _layer_modules(layers, hostile)
     model_file = ("model.py", 40, "forward")
@@ -98,6 +98,10 @@ def make_events(events: int = 10_000, *, steps: int = 3, layers: int = 8,
     params = {m: ev.alloc(param_size, schema.PARAMETER, "", "aten::empty", ("model.py", 12,
                                                                             "__init__"))
               for m in modules}
+    if all_categories:  # the categories a plain fp32 model does not have, for worst cases
+        ev.alloc(MIB // 2, schema.OTHER, "", "", ("", 0, ""))
+        ev.alloc(MIB // 4, schema.BUFFER, modules[0], "aten::zeros", ("model.py", 14,
+                                                                      "__init__"))
     grads: dict[str, int] = {}
     state: dict[str, list[int]] = {}
     step_info = []
@@ -110,7 +114,7 @@ def make_events(events: int = 10_000, *, steps: int = 3, layers: int = 8,
         batch = ev.alloc(256 * 1024, schema.INPUT, "", "aten::to", ("train.py", 32, "main"))
 
         ev.phase = schema.FORWARD
-        saved = []
+        saved, casts = [], []
         for index, module in enumerate(modules):
             size = act_size * 3 // 2 if module == HOSTILE_MODULE else act_size
             for _ in range(temporaries):
@@ -120,7 +124,12 @@ def make_events(events: int = 10_000, *, steps: int = 3, layers: int = 8,
                         source_of(module, 50))
             saved.append((module, size, ev.alloc(size, schema.ACTIVATION, module, "aten::addmm",
                                                  source_of(module, 40 + index % 3))))
+            if all_categories:  # autocast's low-precision weight copy, freed after forward
+                casts.append(ev.alloc(param_size // 2, schema.AUTOCAST_WEIGHT, module,
+                                      "aten::_to_copy", source_of(module, 39)))
 
+        for cast in casts:
+            ev.free(cast, param_size // 2, schema.AUTOCAST_WEIGHT, "", "", ("", 0, ""))
         ev.phase = schema.BACKWARD
         for module, size, storage in reversed(saved):
             for _ in range(temporaries):
@@ -152,10 +161,14 @@ def make_events(events: int = 10_000, *, steps: int = 3, layers: int = 8,
 
 def make_trace(path: str | Path, events: int = 10_000, *, steps: int = 3, layers: int = 8,
                activation_scale: float = 1.0, hostile: bool = True,
-               script: str = "train.py") -> Path:
-    """Write a synthetic trace of about ``events`` events to ``path``."""
+               all_categories: bool = False, script: str = "train.py") -> Path:
+    """Write a synthetic trace of about ``events`` events to ``path``.
+
+    ``all_categories`` adds an 'other', a buffer and autocast weight copies, so that all
+    nine categories are drawn (the heaviest timeline a report can have)."""
     columns, step_info = make_events(events, steps=steps, layers=layers,
-                                     activation_scale=activation_scale, hostile=hostile)
+                                     activation_scale=activation_scale, hostile=hostile,
+                                     all_categories=all_categories)
     modules = _layer_modules(layers, hostile)
     meta = schema.TraceMeta(
         script=script, device="cuda:0", device_name="synthetic GPU",

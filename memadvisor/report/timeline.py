@@ -18,7 +18,9 @@ import numpy as np
 from ..trace import analysis, schema
 from ..trace.io import Trace
 
-MAX_BUCKETS = 1000
+#: 800 buckets keep at most ~1,600 points: more than a report's chart has pixel columns, and
+#: small enough that a timeline of every category stays near 100 kB in the page
+MAX_BUCKETS = 800
 #: phases drawn as bands; 'other' (data loading, zero_grad) is left unshaded
 BAND_PHASES = (schema.FORWARD, schema.BACKWARD, schema.OPTIMIZER)
 MAX_BANDS = 60
@@ -37,6 +39,7 @@ class StepTimeline:
 
     step: int | None  #: the step drawn (None: the whole trace, no step completed)
     time_ms: np.ndarray  #: x of each drawn point: milliseconds since the step began
+    positions: np.ndarray  #: the same points as event positions within the step (0-based)
     by_category: dict[str, np.ndarray]  #: live bytes per category at each drawn point
     total_bytes: np.ndarray  #: live bytes at each drawn point (the stack's sum)
     peak_bytes: int
@@ -120,7 +123,8 @@ def step_timeline(trace: Trace, step: int | None = None, *, max_buckets: int = M
     total = live[window]
     if not len(total):
         empty = np.zeros(0)
-        return StepTimeline(step, empty, {}, empty.astype(np.int64), 0, 0.0, {})
+        return StepTimeline(step, empty, empty.astype(np.int64), {}, empty.astype(np.int64),
+                            0, 0.0, {})
 
     # every category of the trace: parameters made before the step hold bytes in it
     # without a single event of their own there
@@ -138,6 +142,7 @@ def step_timeline(trace: Trace, step: int | None = None, *, max_buckets: int = M
     return StepTimeline(
         step=step,
         time_ms=time_ms[positions],
+        positions=positions,
         by_category={c: values[positions] for c, values in series.items()},
         total_bytes=total[positions],
         peak_bytes=peak_bytes,

@@ -25,6 +25,7 @@ from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
 _GRADIENT = CATEGORY_CODE[schema.GRADIENT]
 _TEMPORARY = CATEGORY_CODE[schema.TEMPORARY]
+JUST_AFTER = 1e-6  #: a free right after the allocation that replaces it, before anything else
 
 
 def segment(timeline: Timeline) -> tuple[int, int] | None:
@@ -37,34 +38,100 @@ def segment(timeline: Timeline) -> tuple[int, int] | None:
     return int(forward[0]), int(backward[-1])
 
 
-def apply_accumulation(timeline: Timeline, accum: int) -> Timeline:
-    if accum <= 1:
-        return timeline
+def _masks(timeline: Timeline, start: float, end: float):
+    alloc, free = timeline.alloc_key, timeline.free_key
+    alloc_inside = (alloc >= start) & (alloc < end)
+    free_inside = (free >= start) & (free < end)
+    local = alloc_inside & free_inside
+    outliving = alloc_inside & ~free_inside
+    released = ~alloc_inside & (alloc < start) & free_inside  # e.g. zero_grad's frees
+    return local, outliving, released
+
+
+def segment_keys(timeline: Timeline) -> tuple[float, float] | None:
+    """[start, end) of the micro-step segment on the key axis: from just before the first
+    forward event (what techniques add there belongs to the micro-step) to the event after
+    the last backward one."""
     bounds = segment(timeline)
     if bounds is None:
+        return None
+    return bounds[0] - 0.5, bounds[1] + 1.0
+
+
+def accumulated_peak(timeline: Timeline, accum: int):
+    """Peak of ``accum`` micro-steps without laying them out: the first micro-step is the
+    recorded segment; every later one is the same segment with the released storages
+    gone, the outliving ones (gradients, kept outputs) present from its start, and each
+    outliving allocation a brief second instance (``AccumulateGrad`` adds it into .grad;
+    a reassigned output frees its predecessor).  After the last micro-step memory is what
+    it is after the first.  Returns a ``replay.Peak``."""
+    from .replay import Peak
+
+    peak = timeline.peak()
+    keys = segment_keys(timeline)
+    if accum <= 1 or keys is None:
+        return peak
+    start, end = keys
+    local, outliving, released = _masks(timeline, start, end)
+    order = timeline.order()
+    rows = len(timeline)
+    sorted_keys = timeline.sort_keys()[order]
+    w0, w1 = np.searchsorted(sorted_keys, [start - 1e-6, end - 1e-6])
+    if w1 <= w0:
+        return peak
+    is_alloc = order[w0:w1] >= rows
+    row = np.where(is_alloc, order[w0:w1] - rows, order[w0:w1])
+    size = timeline.size[row]
+    deltas = np.where(is_alloc, size, -size)
+    deltas = np.where(~is_alloc & released[row], 0.0, deltas)
+    spikes = np.where(is_alloc & outliving[row], size, 0.0)
+    before = float(np.concatenate([-timeline.size, timeline.size])[order[:w0]].sum())
+    entering = before - float(timeline.size[released].sum()) + float(
+        timeline.size[outliving].sum())
+    spike_sum = np.cumsum(spikes)
+    curve = entering + np.cumsum(deltas) - (spike_sum - spikes)
+    at = int(np.argmax(curve))
+    value = int(round(float(curve[at])))
+    if value <= peak.bytes:
+        return peak
+    alive = timeline.alive_rows(0, upto_sorted=w0 + at)
+    alive = (alive & ~released) | outliving
+    by_category = timeline.bytes_by_category(alive)
+    if spikes[at]:
+        category = schema.CATEGORIES[int(timeline.category[row[at]])]
+        by_category[category] = by_category.get(category, 0) + int(round(spikes[at]))
+    return Peak(value, float(sorted_keys[w0 + at]), by_category)
+
+
+def apply_accumulation(timeline: Timeline, accum: int) -> Timeline:
+    """The micro-steps laid out explicitly (at most three: the first, one standing for
+    every middle one, the last), for the allocator model and as the oracle of
+    ``accumulated_peak``."""
+    if accum <= 1:
         return timeline
-    start, end = bounds
-    length = float(end - start + 1)
+    keys = segment_keys(timeline)
+    if keys is None:
+        return timeline
+    start, end = keys
+    accum = min(accum, 3)
+    length = float(end - start)
     shift_after = (accum - 1) * length
 
     def moved(key: np.ndarray, copy: int) -> np.ndarray:
         """Key in micro-step ``copy`` for keys inside the segment, shifted keys after it."""
-        inside = (key >= start) & (key < end + 1)
+        inside = (key >= start) & (key < end)
         return np.where(inside, key + copy * length,
-                        np.where(key >= end + 1, key + shift_after, key))
+                        np.where(key >= end, key + shift_after, key))
 
     alloc, free = timeline.alloc_key, timeline.free_key
-    alloc_inside = (alloc >= start) & (alloc < end + 1)
-    free_inside = (free >= start) & (free < end + 1)
-    local = alloc_inside & free_inside
-    outliving = alloc_inside & ~free_inside
+    local, outliving, _ = _masks(timeline, start, end)
 
     base_alloc = moved(alloc, 0)
     base_free = moved(free, 0)
     # outliving non-gradients of micro-step 0 die when micro-step 1 remakes them
     keeps_grad = outliving & (timeline.category == _GRADIENT)
     replaced = outliving & ~keeps_grad
-    base_free = np.where(replaced, alloc + length + 0.5, base_free)
+    base_free = np.where(replaced, alloc + length + JUST_AFTER, base_free)
     out = timeline.retimed(base_alloc, base_free)
 
     names = ("size", "category", "dtype", "module", "phase", "op", "scales_with_batch",
@@ -81,10 +148,10 @@ def apply_accumulation(timeline: Timeline, accum: int) -> Timeline:
             if kind == "local":
                 new_free = free[mask] + copy * length
             elif kind == "grad":
-                new_free = new_alloc + 0.25
+                new_free = new_alloc + JUST_AFTER
                 additions["category"][-1] = np.full(int(mask.sum()), _TEMPORARY, np.int8)
             else:
-                new_free = free[mask] + shift_after if last else new_alloc + length + 0.5
+                new_free = free[mask] + shift_after if last else new_alloc + length + JUST_AFTER
             additions["alloc_key"].append(new_alloc)
             additions["free_key"].append(new_free)
     if additions["size"]:

@@ -63,6 +63,9 @@ class Timeline:
     #: row of the storage each event belongs to (-1 for rows added by techniques)
     event_row: np.ndarray
     _order: np.ndarray | None = field(default=None, repr=False, compare=False)
+    #: (order of the parent timeline, its row count, rows whose keys changed or None):
+    #: lets ``order`` merge the few changed and added rows into the parent's order
+    _parent: tuple | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.size)
@@ -71,11 +74,26 @@ class Timeline:
     def resized(self, size: np.ndarray) -> "Timeline":
         """Same lifetimes, new sizes: keeps the cached event order."""
         out = replace(self, size=np.asarray(size, dtype=np.float64))
-        out._order = self._order
+        out._order, out._parent = self._order, self._parent
         return out
 
     def retimed(self, alloc_key: np.ndarray, free_key: np.ndarray) -> "Timeline":
-        return replace(self, alloc_key=alloc_key, free_key=free_key, _order=None)
+        changed = (alloc_key != self.alloc_key) | (free_key != self.free_key)
+        out = replace(self, alloc_key=alloc_key, free_key=free_key, _order=None, _parent=None)
+        out._parent = self._retime_lineage(changed)
+        return out
+
+    def _retime_lineage(self, changed: np.ndarray) -> tuple | None:
+        if self._order is not None:
+            return (self._order, len(self), changed)
+        if self._parent is not None:
+            order, rows, before = self._parent
+            grown = changed.copy()
+            grown[rows:] = False  # rows added since the parent are merged anyway
+            if before is not None:
+                grown[:rows] |= before
+            return (order, rows, grown[:rows] if len(grown) > rows else grown)
+        return None
 
     def with_dtype(self, rows: np.ndarray, dtype_name: str) -> "Timeline":
         dtypes = list(self.dtypes)
@@ -85,7 +103,7 @@ class Timeline:
         dtype = self.dtype.copy()
         dtype[rows] = code
         out = replace(self, dtype=dtype, dtypes=dtypes)
-        out._order = self._order
+        out._order, out._parent = self._order, self._parent
         return out
 
     def appended(self, rows: dict) -> "Timeline":
@@ -106,19 +124,36 @@ class Timeline:
             base = getattr(self, name)
             extra = np.asarray(rows.get(name, defaults.get(name)), dtype=base.dtype)
             merged[name] = np.concatenate([base, extra])
-        return replace(self, **merged, _order=None)
+        out = replace(self, **merged, _order=None, _parent=None)
+        if self._order is not None:
+            out._parent = (self._order, len(self), None)
+        else:
+            out._parent = self._parent
+        return out
 
     def dropped(self, keep: np.ndarray) -> "Timeline":
         """Rows where ``keep`` is False become size 0 (kept so codes and orders stay valid)."""
         return self.resized(np.where(keep, self.size, 0.0))
 
     # --- evaluation --------------------------------------------------------------------------
+    def sort_keys(self) -> np.ndarray:
+        """Keys of the concatenated [frees, allocs] events; a free sorts just before an
+        alloc at the same key (``FREE_FIRST``), so ties left are between events of one
+        kind, whose order changes no peak."""
+        return np.concatenate([self.free_key - FREE_FIRST, self.alloc_key])
+
     def order(self) -> np.ndarray:
-        """Indices into the concatenated [frees, allocs] key array, sorted by key."""
+        """Indices into the concatenated [frees, allocs] events, sorted by ``sort_keys``.
+
+        Derived timelines merge their changed and added rows into the parent's order
+        (a searchsorted and an insert, linear) instead of sorting everything again."""
         if self._order is None:
-            keys = np.concatenate([self.free_key, self.alloc_key])
-            # frees first at equal keys: they come first in the concatenation, stable sort
-            self._order = np.argsort(keys, kind="stable")
+            keys = self.sort_keys()
+            if self._parent is None:
+                self._order = np.argsort(keys, kind="stable")
+            else:
+                self._order = _merge_order(keys, len(self), *self._parent)
+            self._parent = None
         return self._order
 
     def live_curve(self) -> tuple[np.ndarray, np.ndarray]:
@@ -166,6 +201,27 @@ class Timeline:
 
     def module_names(self) -> np.ndarray:
         return np.asarray(self.modules, dtype=object)[self.module]
+
+
+FREE_FIRST = 1e-7  #: below the smallest key step techniques use (1 / events in a step)
+
+
+def _merge_order(keys: np.ndarray, rows: int, parent_order: np.ndarray, parent_rows: int,
+                 changed: np.ndarray | None) -> np.ndarray:
+    old = parent_order
+    mapped = np.where(old < parent_rows, old, old - parent_rows + rows)
+    added = np.arange(parent_rows, rows)
+    if changed is not None and changed.any():
+        changed_rows = np.flatnonzero(changed[:parent_rows])
+        row_of = np.where(old < parent_rows, old, old - parent_rows)
+        mapped = mapped[~changed[:parent_rows][row_of]]
+        added = np.concatenate([changed_rows, added])
+    if not len(added):
+        return mapped
+    new = np.concatenate([added, added + rows])
+    new = new[np.argsort(keys[new], kind="stable")]
+    positions = np.searchsorted(keys[mapped], keys[new], side="right")
+    return np.insert(mapped, positions, new)
 
 
 @dataclass(frozen=True)

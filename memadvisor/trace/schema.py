@@ -41,6 +41,10 @@ CATEGORIES = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, AUTOCAST
 # Categories of "model state": what ZeRO-style sharding divides among ranks.
 MODEL_STATE_CATEGORIES = (PARAMETER, GRADIENT, OPTIMIZER_STATE)
 
+#: dtype of a block a kernel allocated for itself (oneDNN scratch, a wrapped scalar), seen
+#: only by the native allocator hook: no tensor, its shape is its byte count
+RAW_BYTES_DTYPE = "bytes"
+
 # --- phases -----------------------------------------------------------------------------
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -57,7 +61,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "storage_id": ("int64", "identity of the storage; an alloc and its free share it"),
     "size_bytes": ("int64", "bytes of the storage (requested size, not allocator-rounded)"),
     "device": ("dict", "torch device string, e.g. 'cpu', 'cuda:0'"),
-    "dtype": ("dict", "dtype of the tensor that created the storage, e.g. 'float32'"),
+    "dtype": ("dict", "dtype of the tensor that created the storage, e.g. 'float32'; "
+                      "'bytes' for a kernel's internal block (no tensor)"),
     "shape": ("dict", "shape of that tensor as comma-separated ints ('' for a scalar)"),
     "category": ("dict", "one of CATEGORIES: the storage's role over its whole life"),
     "op": ("dict", "aten op that allocated the storage, e.g. 'aten::mm' ('' if unknown)"),

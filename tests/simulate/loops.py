@@ -49,7 +49,7 @@ class TinyLM(nn.Module):
 
 
 def run(*, checkpointed=False, accum=1, optimizer="adamw", dtype=torch.float32,
-        batch=BATCH, steps=3) -> Trace:
+        batch=BATCH, steps=2) -> Trace:
     """Profile ``steps`` optimizer steps of TinyLM with one modification; returns the trace."""
     torch.manual_seed(0)
     model = TinyLM(checkpointed).to(dtype)
@@ -84,3 +84,27 @@ def run(*, checkpointed=False, accum=1, optimizer="adamw", dtype=torch.float32,
 
 def measured_peak(trace: Trace) -> int:
     return int(trace.meta.steps[analysed_step(trace)]["peak_bytes"])
+
+
+def run_autocast(dtype=torch.bfloat16, steps=2) -> Trace:
+    """TinyLM with its forward under CPU autocast (the loss outside, on fp32 logits)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    session = ProfileSession(steps=steps)
+    try:
+        with session:
+            for _ in range(steps + 1):
+                tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen)
+                x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=dtype):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
+                loss.backward()
+                opt.step()
+    except StopProfiling:
+        pass
+    table, meta = session.build()
+    return Trace(events=table.to_pandas(), meta=meta)

@@ -1,0 +1,188 @@
+"""How long `advise` takes over >= 1,000 plans on a trace of 1M events.
+
+    python benchmarks/advise_speed.py [--events 1000000] [--gpus 8] [--gpu h100-80gb]
+
+The trace is synthetic but shaped like a profiled transformer step (three steps; per block
+saved activations, temporaries, gradients in backward, a per-parameter optimizer step) so
+that every technique has something to act on.  Target (issue): <= 10 s on 2 CPU cores.
+Pin the cores with ``taskset -c 0,1`` to reproduce the target's setting.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from memadvisor.trace import TraceMeta, events_table, write_trace  # noqa: E402
+
+
+def synthetic_trace(path: str, events: int = 1_000_000, steps: int = 3, blocks: int = 24,
+                    batch: int = 64, seq: int = 1024, width: int = 1024) -> str:
+    """Write a transformer-shaped trace of about ``events`` events and return its path."""
+    per_step = events // steps
+    # events per block per step: forward 3 per op (alloc act, alloc+free temp),
+    # backward 3 per op (free act, alloc+free temp), grads 2 (alloc + zero_grad free),
+    # optimizer 2 per parameter (temp alloc+free)
+    ops = max(1, (per_step // blocks - 2 * 2 - 2 * 2) // 6)
+    cols = {name: [] for name in ("action", "storage_id", "size_bytes", "dtype", "shape",
+                                  "category", "op", "module", "phase", "step")}
+    next_id = [0]
+
+    def event(action, sid, size, shape, category, op, module, phase, step):
+        cols["action"].append(action)
+        cols["storage_id"].append(sid)
+        cols["size_bytes"].append(size)
+        cols["dtype"].append("float32")
+        cols["shape"].append(shape)
+        cols["category"].append(category)
+        cols["op"].append(op)
+        cols["module"].append(module)
+        cols["phase"].append(phase)
+        cols["step"].append(step)
+
+    def new():
+        next_id[0] += 1
+        return next_id[0]
+
+    param_shape = f"{width},{width}"
+    param_bytes = width * width * 4
+    act_shape = f"{batch},{seq},{width // 8}"
+    act_bytes = batch * seq * (width // 8) * 4
+    params = {}
+    for b in range(blocks):
+        for name in ("fc", "proj"):
+            sid = new()
+            params[(b, name)] = sid
+            event("alloc", sid, param_bytes, param_shape, "parameter", "aten::empty", "",
+                  "other", 0)
+    state = {}
+    grads: dict = {}
+    input_id = None
+    for step in range(steps):
+        sid = new()
+        event("alloc", sid, batch * seq * 8, f"{batch},{seq}", "input", "aten::clone", "",
+              "other", step)
+        if input_id is not None:
+            event("free", input_id, batch * seq * 8, f"{batch},{seq}", "input", "aten::clone",
+                  "", "other", step)
+        input_id = sid
+        for key, gid in list(grads.items()):  # zero_grad(set_to_none=True)
+            event("free", gid, param_bytes, param_shape, "gradient", "aten::mm",
+                  f"blocks.{key[0]}.{key[1]}", "other", step)
+        grads = {}
+        saved = []
+        for b in range(blocks):
+            for o in range(ops):
+                module = f"blocks.{b}.{'fc' if o % 2 == 0 else 'proj'}"
+                op = "aten::addmm" if o % 3 == 0 else "aten::gelu"
+                act = new()
+                event("alloc", act, act_bytes, act_shape, "activation", op, module, "forward",
+                      step)
+                saved.append((act, module, op))
+                tmp = new()
+                event("alloc", tmp, act_bytes, act_shape, "temporary", op, module, "forward",
+                      step)
+                event("free", tmp, act_bytes, act_shape, "temporary", op, module, "forward",
+                      step)
+        for b in reversed(range(blocks)):
+            for name in ("proj", "fc"):
+                gid = new()
+                grads[(b, name)] = gid
+                event("alloc", gid, param_bytes, param_shape, "gradient", "aten::mm",
+                      f"blocks.{b}.{name}", "backward", step)
+            for o in range(ops):
+                act, module, op = saved.pop()
+                tmp = new()
+                event("alloc", tmp, act_bytes, act_shape, "temporary", "aten::mm", module,
+                      "backward", step)
+                event("free", act, act_bytes, act_shape, "activation", op, module, "backward",
+                      step)
+                event("free", tmp, act_bytes, act_shape, "temporary", "aten::mm", module,
+                      "backward", step)
+        for key, pid in params.items():
+            module = f"blocks.{key[0]}.{key[1]}"
+            if key not in state:
+                for _ in range(2):
+                    sid = new()
+                    state.setdefault(key, []).append(sid)
+                    event("alloc", sid, param_bytes, param_shape, "optimizer_state",
+                          "aten::zeros_like", "", "optimizer", step)
+            tmp = new()
+            event("alloc", tmp, param_bytes, param_shape, "temporary", "aten::sqrt", "",
+                  "optimizer", step)
+            event("free", tmp, param_bytes, param_shape, "temporary", "aten::sqrt", "",
+                  "optimizer", step)
+    count = len(cols["action"])
+    columns = dict(cols, seq=list(range(count)), time_ns=list(range(count)),
+                   device=["cuda:0"] * count, source_file=[""] * count,
+                   source_line=[0] * count, source_function=[""] * count)
+    steps_seen = np.asarray(cols["step"])
+    modules = [{"path": "", "type": "Model", "parameter_bytes": 0, "parameter_count": 0,
+                "buffer_bytes": 0, "total_parameter_bytes": 2 * blocks * param_bytes},
+               {"path": "blocks", "type": "ModuleList", "parameter_bytes": 0,
+                "parameter_count": 0, "buffer_bytes": 0,
+                "total_parameter_bytes": 2 * blocks * param_bytes}]
+    for b in range(blocks):
+        modules.append({"path": f"blocks.{b}", "type": "Block", "parameter_bytes": 0,
+                        "parameter_count": 0, "buffer_bytes": 0,
+                        "total_parameter_bytes": 2 * param_bytes, "repeated": True})
+        for name in ("fc", "proj"):
+            modules.append({"path": f"blocks.{b}.{name}", "type": "Linear",
+                            "parameter_bytes": param_bytes, "parameter_count": width * width,
+                            "buffer_bytes": 0, "total_parameter_bytes": param_bytes})
+    meta = TraceMeta(device="cuda:0", steps_requested=steps, steps_completed=steps,
+                     step_detection="optimizer", parameter_bytes=2 * blocks * param_bytes,
+                     parameter_count=2 * blocks * width * width,
+                     optimizers=[{"class": "AdamW"}], modules=modules,
+                     batch={"batch_size": batch, "shapes": [[batch, seq]]},
+                     steps=[{"index": s, "start_ns": 0, "end_ns": 0, "duration_s": 0.5,
+                             "peak_bytes": 0} for s in range(steps)])
+    del steps_seen
+    write_trace(path, events_table(columns), meta)
+    return path
+
+
+def run(events: int, gpus: int, gpu: str, budget: str) -> dict:
+    from memadvisor.simulate import advise, hardware, prepare
+    from memadvisor.trace.io import read_trace
+    from memadvisor.units import parse_bytes
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = synthetic_trace(os.path.join(folder, "big.trace"), events)
+        started = time.perf_counter()
+        trace = read_trace(path)
+        loaded = time.perf_counter()
+        base = prepare(trace)
+        prepared = time.perf_counter()
+        hw = hardware(gpu)
+        result = advise(base, hw, parse_bytes(budget), gpus)
+        done = time.perf_counter()
+    return {"events": len(trace.events), "plans": result.evaluated,
+            "fitting": len(result.ranked), "load_s": loaded - started,
+            "prepare_s": prepared - loaded, "advise_s": done - prepared,
+            "total_s": done - started}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpu", default="h100-80gb")
+    parser.add_argument("--budget", default="24GiB")
+    args = parser.parse_args(argv)
+    result = run(args.events, args.gpus, args.gpu, args.budget)
+    print(f"{result['events']:,} events, {result['plans']:,} plans "
+          f"({result['fitting']} shown): load {result['load_s']:.2f} s, prepare "
+          f"{result['prepare_s']:.2f} s, advise {result['advise_s']:.2f} s, total "
+          f"{result['total_s']:.2f} s on {os.cpu_count()} CPUs visible")
+    return 0 if result["total_s"] <= 10 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

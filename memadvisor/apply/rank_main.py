@@ -1,0 +1,62 @@
+"""What each rank runs under torchrun: the script (or its profile), then a clean exit.
+
+    python -m memadvisor.apply.rank_main [--profile OUT] [--profile-steps N]
+        [--save-parameters FILE] -- SCRIPT [ARGS...]
+
+A failure is written to torch elastic's error file (``ErrorHandler.record_exception``) so
+the launcher can say which rank failed and why; a memadvisor error (a plan the batch
+cannot be split for, say) is one line, the script's own exception keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from pathlib import Path
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m memadvisor.apply.rank_main")
+    parser.add_argument("--profile", type=Path)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--save-parameters", type=Path)
+    parser.add_argument("script", type=Path)
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    if "--" in argv:
+        split = argv.index("--")
+        options = parser.parse_args([*argv[:split], *argv[split + 1: split + 2]])
+        options.args = argv[split + 2:]
+        return options
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    from ..errors import UserError
+    from . import launch
+
+    options = parse(sys.argv[1:] if argv is None else argv)
+    handler = get_error_handler()
+    handler.initialize()
+    rank = os.environ.get("RANK", "0")
+    try:
+        launch.run_in_process(options.script, options.args, options.profile,
+                              options.profile_steps, options.save_parameters)
+    except UserError as exc:
+        print(f"[rank{rank}] memadvisor: error: {exc}", file=sys.stderr, flush=True)
+        handler.record_exception(exc)
+        return exc.exit_code
+    except Exception as exc:  # a bug in memadvisor itself: keep the traceback
+        import traceback
+        traceback.print_exc()
+        handler.record_exception(exc)
+        return 1
+    finally:
+        gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""A model of the CUDA caching allocator, replayed over a plan's allocation stream.
+
+Constants and rules are c10/cuda/CUDACachingAllocator.cpp's (see shared FACTS.md):
+requests round up to 512 B; <= 1 MiB goes to the small pool, the rest to the large pool;
+a new segment is 2 MiB (small), 20 MiB (large requests < 10 MiB) or the request rounded
+up to 2 MiB; a request takes the best-fitting free block of its pool (smallest, then
+lowest address); a block is split when the remainder is >= 512 B (small pool) or
+> 1 MiB (large pool); freed blocks merge with free neighbours; segments are never
+returned unless a new segment would exceed the device (then every fully free segment is
+released and the request retried, as on a failed cudaMalloc).
+
+``expandable_segments``: one growing segment per pool mapped in 2 MiB (small) / 20 MiB
+(large) pages; modelled as the pool's live block bytes rounded up to whole pages, at the
+worst moment (fragmentation inside the mapped range is ignored).
+
+Not modelled: warm-up history before the analysed step (the stream starts with the
+storages alive across the step, allocated in order), several streams, record_stream,
+``max_split_size_mb`` and ``roundup_power2_divisions``.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+def round_size(size: int) -> int:
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    return -(-size // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(rounded: int) -> int:
+    if rounded <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if rounded < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-rounded // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass
+class AllocatorResult:
+    peak_allocated_bytes: int  #: max of live block bytes (torch.cuda.max_memory_allocated)
+    peak_reserved_bytes: int  #: max of segment bytes (torch.cuda.max_memory_reserved)
+    segments: int
+    out_of_memory: bool = False
+
+
+class _Block:
+    __slots__ = ("segment", "offset", "size", "free", "prev", "next")
+
+    def __init__(self, segment, offset, size, free, prev=None, next=None):
+        self.segment, self.offset, self.size, self.free = segment, offset, size, free
+        self.prev, self.next = prev, next
+
+
+class CachingAllocator:
+    def __init__(self, capacity_bytes: int = 0):
+        self.capacity = capacity_bytes or (1 << 62)
+        self.free_lists = {True: [], False: []}  # small? -> sorted [(size, seg, offset, id)]
+        self.blocks: dict[tuple[int, int], _Block] = {}
+        self.segment_sizes: dict[int, tuple[int, bool]] = {}
+        self.next_segment = 0
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.out_of_memory = False
+
+    def _key(self, block: _Block):
+        return (block.size, block.segment, block.offset)
+
+    def _insert_free(self, block: _Block, small: bool):
+        block.free = True
+        bisect.insort(self.free_lists[small], self._key(block))
+
+    def _remove_free(self, block: _Block, small: bool):
+        items = self.free_lists[small]
+        index = bisect.bisect_left(items, self._key(block))
+        del items[index]
+
+    def malloc(self, size: int) -> _Block:
+        rounded = round_size(size)
+        small = rounded <= SMALL_SIZE
+        items = self.free_lists[small]
+        index = bisect.bisect_left(items, (rounded, -1, -1))
+        if index == len(items):
+            self._new_segment(segment_size(rounded), small)
+            index = bisect.bisect_left(items, (rounded, -1, -1))
+        _, segment, offset = items[index]
+        block = self.blocks[(segment, offset)]
+        del items[index]
+        block.free = False
+        remaining = block.size - rounded
+        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+            rest = _Block(segment, offset + rounded, remaining, True, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = rounded
+            self.blocks[(segment, rest.offset)] = rest
+            self._insert_free(rest, small)
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def _new_segment(self, nbytes: int, small: bool):
+        if self.reserved + nbytes > self.capacity:
+            self._release_free_segments()
+            if self.reserved + nbytes > self.capacity:
+                self.out_of_memory = True
+        segment = self.next_segment
+        self.next_segment += 1
+        self.segment_sizes[segment] = (nbytes, small)
+        block = _Block(segment, 0, nbytes, True)
+        self.blocks[(segment, 0)] = block
+        self._insert_free(block, small)
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def _release_free_segments(self):
+        for segment, (nbytes, small) in list(self.segment_sizes.items()):
+            block = self.blocks.get((segment, 0))
+            if block is not None and block.free and block.size == nbytes:
+                self._remove_free(block, small)
+                del self.blocks[(segment, 0)]
+                del self.segment_sizes[segment]
+                self.reserved -= nbytes
+
+    def free(self, block: _Block):
+        small = self.segment_sizes[block.segment][1]
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._remove_free(neighbour, small)
+                del self.blocks[(neighbour.segment, neighbour.offset)]
+                if neighbour is block.prev:
+                    del self.blocks[(block.segment, block.offset)]
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    self.blocks[(neighbour.segment, neighbour.offset)] = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        self._insert_free(block, small)
+
+
+def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
+           expandable_segments: bool = False) -> AllocatorResult:
+    """Run an allocation stream (``replay.replay_events``) through the allocator model."""
+    if expandable_segments:
+        return _expandable(signed_sizes)
+    allocator = CachingAllocator(capacity_bytes)
+    live: dict[int, _Block] = {}
+    for delta, row in zip(signed_sizes.tolist(), rows.tolist()):
+        if delta > 0:
+            live[row] = allocator.malloc(int(round(delta)))
+        else:
+            block = live.pop(row, None)
+            if block is not None:
+                allocator.free(block)
+    return AllocatorResult(allocator.peak_allocated, allocator.peak_reserved,
+                           len(allocator.segment_sizes), allocator.out_of_memory)
+
+
+def _expandable(signed_sizes: np.ndarray) -> AllocatorResult:
+    sizes = np.abs(signed_sizes).round().astype(np.int64)
+    rounded = np.where(sizes < MIN_BLOCK, MIN_BLOCK, -(-sizes // MIN_BLOCK) * MIN_BLOCK)
+    signed = np.where(signed_sizes > 0, rounded, -rounded)
+    small = rounded <= SMALL_SIZE
+    reserved = 0
+    peak_allocated = int(np.cumsum(signed).max()) if len(signed) else 0
+    for mask, page in ((small, SMALL_BUFFER), (~small, LARGE_BUFFER)):
+        if mask.any():
+            live = np.cumsum(np.where(mask, signed, 0)).max()
+            reserved += int(-(-live // page) * page)
+    return AllocatorResult(peak_allocated, reserved, 2)

@@ -1,0 +1,91 @@
+"""Offload to host memory (GPU plans only), as the apply runtime realises it.
+
+* ``optimizer`` (no FSDP; ZeRO-Offload's layout): optimizer state and the step's
+  temporaries live on the host; the GPU keeps parameters and gradients.  The host holds
+  fp32 master parameters, their gradients and the state;
+* ``optimizer+params`` (FSDP2 ``CPUOffloadPolicy``): parameter, gradient and optimizer
+  state *shards* live on the host; the GPU keeps only what is gathered for compute and the
+  unsharded gradients until their reduce-scatter (see sharding);
+* ``activations`` (``torch.autograd.graph.save_on_cpu``): every tensor autograd saves is
+  copied to the host when saved and back when backward needs it; on the GPU it lives
+  from its allocation to the end of the op that made it, and again around its use.
+
+Returns the device timeline and the host bytes (reported beside the device peak).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import Plan
+from ..trace import schema
+from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
+
+_PARAM = CATEGORY_CODE[schema.PARAMETER]
+_GRAD = CATEGORY_CODE[schema.GRADIENT]
+_STATE = CATEGORY_CODE[schema.OPTIMIZER_STATE]
+_ACTIVATION = CATEGORY_CODE[schema.ACTIVATION]
+_TEMPORARY = CATEGORY_CODE[schema.TEMPORARY]
+_OPTIMIZER = PHASE_CODE[schema.OPTIMIZER]
+_BACKWARD = PHASE_CODE[schema.BACKWARD]
+
+
+def apply_offload(timeline: Timeline, plan: Plan) -> tuple[Timeline, dict]:
+    host: dict[str, float] = {}
+    if not plan.offload:
+        return timeline, host
+    size = timeline.size.copy()
+    out_rows = {}
+    if "optimizer" in plan.offload:
+        state = timeline.category == _STATE
+        step_temps = (timeline.phase == _OPTIMIZER) & (timeline.category == _TEMPORARY)
+        host["optimizer_state"] = float(size[state].sum())
+        size[state | step_temps] = 0.0
+        if "params" in plan.offload:
+            # the shards (persistent rows) move; gathered copies and unsharded grads stay
+            persistent = (timeline.alloc_key < 0) & (timeline.free_key >= timeline.n_events)
+            moved = persistent & np.isin(timeline.category, (_PARAM, _GRAD))
+            host["parameter_and_gradient_shards"] = float(size[moved].sum())
+            size[moved] = 0.0
+        else:
+            param = timeline.category == _PARAM
+            host["master_parameters_and_gradients"] = 2.0 * float(
+                timeline.size[param].sum() * (4.0 / max(_itemsize(timeline, param), 1)))
+    out = timeline.resized(size)
+    if "activations" in plan.offload:
+        saved = (timeline.category == _ACTIVATION) & (timeline.alloc_key >= 0) \
+            & (timeline.free_key < timeline.n_events) & (out.size > 0)
+        host["activations_peak"] = float(out.size[saved].sum())
+        free_key = out.free_key.copy()
+        original_free = free_key[saved].copy()
+        free_key[saved] = out.alloc_key[saved] + 0.5
+        out = out.retimed(out.alloc_key, free_key)
+        rows = np.flatnonzero(saved)
+        out_rows = {name: getattr(timeline, name)[rows] for name in (
+            "size", "category", "dtype", "module", "op", "scales_with_batch", "shape")}
+        out_rows["size"] = out.size[rows]
+        out_rows["alloc_key"] = original_free - 0.5
+        out_rows["free_key"] = original_free
+        out_rows["phase"] = np.full(len(rows), _BACKWARD, np.int8)
+        out = out.appended(out_rows)
+    return out, host
+
+
+def _itemsize(timeline: Timeline, mask: np.ndarray) -> float:
+    from .replay import DTYPE_BYTES
+    names = timeline.dtype_names()[mask]
+    if not len(names):
+        return 4.0
+    return float(np.mean([DTYPE_BYTES.get(str(n), 4) for n in names]))
+
+
+def host_link_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: float,
+                    activation_bytes: float) -> float:
+    """Bytes crossing the host link per optimizer step (both directions together)."""
+    total = 0.0
+    if "optimizer" in plan.offload:
+        total += gradient_bytes + parameter_bytes  # gradients down, parameters up
+    if "params" in plan.offload:
+        total += parameter_bytes  # shards up to be gathered
+    if "activations" in plan.offload:
+        total += 2.0 * activation_bytes
+    return total

@@ -1,0 +1,116 @@
+"""Predictions as JSON-ready dicts and as text tables (formatting only, no printing)."""
+from __future__ import annotations
+
+from ..units import format_bytes
+from . import explain
+from .hardware import Hardware
+from .search import SearchResult
+from .simulator import Baseline, Prediction
+
+
+def prediction_dict(base: Baseline, prediction: Prediction, hw: Hardware) -> dict:
+    plan = prediction.plan
+    cost = prediction.cost
+    return {
+        "plan": plan.to_dict(),
+        "plan_compact": plan.to_compact(),
+        "peak_bytes": prediction.peak_bytes,
+        "allocated_bytes": prediction.allocated_bytes,
+        "reserved_bytes": prediction.reserved_bytes,
+        "by_category": prediction.by_category,
+        "micro_batch_size": prediction.micro_batch_size,
+        "step_time_factor": round(cost.step_time_factor, 4),
+        "step_time_s": cost.step_time_s,
+        "baseline_step_time_s": cost.baseline_step_s,
+        "cost_terms": [{"what": what, "seconds": seconds} for what, seconds in cost.terms],
+        "assumptions": cost.assumptions,
+        "host_bytes": {k: int(v) for k, v in prediction.host_bytes.items()},
+        "checkpointed_modules": prediction.regions,
+        "terms": explain.category_terms(base.peak.by_category, prediction.by_category, plan,
+                                        prediction.micro_batch_size, base.batch_size),
+        "why_little": explain.small_saving_reasons(base.peak.by_category,
+                                                   prediction.peak_bytes, base.peak.bytes, plan),
+        "changes": explain.changes(plan),
+        "out_of_memory": prediction.out_of_memory,
+        "per_rank": plan.world > 1,
+        "hardware": hw.name,
+    }
+
+
+def simulate_dict(base: Baseline, prediction: Prediction, hw: Hardware) -> dict:
+    out = prediction_dict(base, prediction, hw)
+    out["baseline_peak_bytes"] = base.peak.bytes
+    out["baseline_by_category"] = base.peak.by_category
+    out["warnings"] = base.warnings
+    out["hardware_description"] = hw.describe()
+    return out
+
+
+def simulate_text(data: dict) -> str:
+    lines = [f"plan: {data['plan_compact']}   (target {data['hardware_description']})"]
+    per = " per rank" if data["per_rank"] else ""
+    lines.append(f"peak{per}: {format_bytes(data['peak_bytes'])}   baseline "
+                 f"{format_bytes(data['baseline_peak_bytes'])}")
+    if data["reserved_bytes"] is not None and data["reserved_bytes"] != data["peak_bytes"]:
+        lines.append(f"allocator: allocated {format_bytes(data['allocated_bytes'])}, "
+                     f"reserved {format_bytes(data['reserved_bytes'])}")
+    lines.append(f"step time: x{data['step_time_factor']:.3f} of the baseline step")
+    lines.append("")
+    lines.append("at the peak:")
+    lines += [f"  {term}" for term in data["terms"]]
+    if data["why_little"]:
+        lines.append("")
+        lines.append("why it saves little:")
+        lines += [f"  {reason}" for reason in data["why_little"]]
+    lines.append("")
+    lines.append("step time terms:")
+    lines += [f"  {t['seconds'] * 1e3:+.2f} ms  {t['what']}" for t in data["cost_terms"]] or [
+        "  none"]
+    lines.append("assumptions: " + "; ".join(data["assumptions"]))
+    if data["host_bytes"]:
+        lines.append("host memory: " + ", ".join(
+            f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in data["host_bytes"].items()))
+    lines.append("changes: " + "; ".join(data["changes"]))
+    lines += [f"warning: {w}" for w in data["warnings"]]
+    return "\n".join(lines)
+
+
+def advise_dict(base: Baseline, result: SearchResult, hw: Hardware) -> dict:
+    return {
+        "budget_bytes": result.budget_bytes,
+        "usable_bytes": result.usable_bytes,
+        "hardware": hw.describe(),
+        "baseline_peak_bytes": base.peak.bytes,
+        "evaluated": result.evaluated,
+        "rejected": len(result.rejected),
+        "over_budget": len(result.too_big),
+        "plans": [prediction_dict(base, p, hw) for p in result.ranked],
+        "max_micro_batch": result.max_micro_batch,
+        "warnings": base.warnings,
+    }
+
+
+def advise_text(data: dict) -> str:
+    lines = [f"target: {data['hardware']}",
+             f"budget {format_bytes(data['budget_bytes'])} per GPU, usable "
+             f"{format_bytes(data['usable_bytes'])}; baseline peak "
+             f"{format_bytes(data['baseline_peak_bytes'])}",
+             f"{data['evaluated']} plans: {len(data['plans'])} shown, "
+             f"{data['over_budget']} over budget, {data['rejected']} cannot run here", ""]
+    header = f"{'#':>2}  {'peak':>10}  {'reserved':>10}  {'time':>7}  plan"
+    lines.append(header)
+    for index, plan in enumerate(data["plans"], 1):
+        reserved = format_bytes(plan["reserved_bytes"]) if plan["reserved_bytes"] else "-"
+        lines.append(f"{index:>2}  {format_bytes(plan['peak_bytes']):>10}  {reserved:>10}  "
+                     f"x{plan['step_time_factor']:<6.3f}  {plan['plan_compact']}")
+    if data["plans"]:
+        best = data["plans"][0]
+        lines += ["", f"best: {best['plan_compact']}"]
+        lines += [f"  {term}" for term in best["terms"]]
+        lines.append("  changes: " + "; ".join(best["changes"]))
+    if data["max_micro_batch"]:
+        lines.append("")
+        lines.append("largest micro-batch per rank that fits:")
+        lines += [f"  {n:>6}  {plan}" for plan, n in data["max_micro_batch"].items()]
+    lines += [f"warning: {w}" for w in data["warnings"]]
+    return "\n".join(lines)

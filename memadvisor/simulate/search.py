@@ -1,0 +1,135 @@
+"""``advise``: enumerate plans, drop the impossible, predict the rest, rank by step time.
+
+Plans are every combination of the knobs below that ``plan.Plan`` accepts and the target
+hardware can run.  Techniques that change training semantics (``bf16``, an optimizer
+swap) are enumerated only when allowed.  Every candidate gets the fast replay (peak of
+requested bytes, a cached event order per lifetime layout); the allocator model (reserved
+memory) runs for the best ``exact_top`` plans that fit.  A plan fits when its reserved
+(or, without an allocator, peak) bytes are at most ``budget * (1 - margin)``.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..plan import Environment, Plan, PlanError, environment_problems
+from ..units import format_bytes
+from .hardware import Hardware
+from .simulator import Baseline, Prediction, max_micro_batch, simulate
+
+SEMANTIC = {"bf16": "bf16", "optimizer": "optimizer"}
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Prediction]  #: plans that fit, best first
+    rejected: list[tuple[Plan, str]]  #: (plan, why) for plans that cannot run
+    too_big: list[Prediction]  #: predicted over budget
+    evaluated: int
+    budget_bytes: int
+    usable_bytes: int
+    max_micro_batch: dict[str, int] = field(default_factory=dict)
+
+
+def _divisors_upto(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def candidate_plans(base: Baseline, gpus: int, allow: set[str], hw: Hardware) -> list[Plan]:
+    precisions = ["fp32", "amp-bf16"]
+    if hw.device_type == "cuda":
+        precisions.append("amp-fp16")
+    if "bf16" in allow:
+        precisions.append("bf16")
+    optimizers = ["keep"] + (["sgd", "sgd-momentum", "adafactor", "adam8bit"]
+                             if "optimizer" in allow else [])
+    checkpoints = ["none", "auto"] if base.blocks else ["none"]
+    batch = base.batch_size or 1
+    worlds = sorted({w for w in (1, 2, 4, 8, 16, 32, 64) if w <= gpus} | {gpus})
+    shards_for = {1: ["none"]}
+    offloads = [frozenset()]
+    if hw.device_type == "cuda":
+        offloads += [frozenset({"optimizer"}), frozenset({"activations"}),
+                     frozenset({"optimizer", "params"}),
+                     frozenset({"optimizer", "params", "activations"})]
+    out = []
+    for world in worlds:
+        if batch % world:
+            continue
+        shards = shards_for.get(world, ["ddp", "zero1", "zero2", "zero3"])
+        accums = _divisors_upto(batch // world, 64)
+        hybrids = [None] + [g for g in (2, 4, 8) if g < world and world % g == 0]
+        for shard, precision, checkpoint, accum, offload, optimizer, hybrid in itertools.product(
+                shards, precisions, checkpoints, accums, offloads, optimizers, hybrids):
+            if hybrid is not None and shard not in ("zero1", "zero2", "zero3"):
+                continue
+            try:
+                out.append(Plan(precision=precision, checkpoint=checkpoint, accum=accum,
+                                shard=shard, world=world, hybrid=hybrid, offload=offload,
+                                optimizer=optimizer))
+            except PlanError:
+                continue
+    return out
+
+
+def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
+           margin: float = 0.05, allow: set[str] | None = None, top: int = 10,
+           exact_top: int = 5, expandable_segments: bool = False) -> SearchResult:
+    allow = allow or set()
+    unknown = allow - set(SEMANTIC)
+    if unknown:
+        raise UserError(f"--allow takes {', '.join(SEMANTIC)}; got {', '.join(sorted(unknown))}")
+    if not 0 <= margin < 1:
+        raise UserError(f"the safety margin must be between 0 and 1, got {margin}")
+    usable = int(budget_bytes * (1 - margin))
+    env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
+                      fp16_supported=hw.fp16, bitsandbytes_available=True)
+    rejected: list[tuple[Plan, str]] = []
+    fitting: list[Prediction] = []
+    too_big: list[Prediction] = []
+    plans = candidate_plans(base, gpus, allow, hw)
+    cache: dict = {}
+    for plan in plans:
+        problems = environment_problems(plan, env)
+        if problems:
+            rejected.append((plan, problems[0]))
+            continue
+        try:
+            prediction = simulate(base, plan, hw, run_allocator=False, cache=cache)
+        except PlanError as exc:
+            rejected.append((plan, str(exc)))
+            continue
+        (fitting if prediction.peak_bytes <= usable else too_big).append(prediction)
+    # equal predicted times: the plan with fewer techniques first, then the smaller peak
+    fitting.sort(key=lambda p: (round(p.step_time_factor, 3), _complexity(p.plan), p.peak_bytes))
+    # the allocator model for the best plans: reserved memory must fit too
+    ranked: list[Prediction] = []
+    for prediction in fitting:
+        if len(ranked) >= top:
+            break
+        if hw.device_type == "cuda" and len(ranked) < exact_top:
+            prediction = simulate(base, prediction.plan, hw,
+                                  expandable_segments=expandable_segments)
+            if (prediction.reserved_bytes or prediction.peak_bytes) > usable:
+                too_big.append(prediction)
+                continue
+        ranked.append(prediction)
+    best = {}
+    for prediction in ranked[:3]:
+        best[prediction.plan.to_compact()] = max_micro_batch(base, prediction.plan, hw, usable)
+    if not ranked:
+        smallest = min(too_big, key=lambda p: p.reserved_bytes or p.peak_bytes, default=None)
+        need = (f"; the smallest plan ({smallest.plan}) needs "
+                f"{format_bytes(smallest.reserved_bytes or smallest.peak_bytes)}"
+                if smallest else "")
+        hint = "" if allow >= set(SEMANTIC) else " or --allow bf16,optimizer"
+        raise UserError(f"no plan fits {format_bytes(budget_bytes)} with a {margin:.0%} margin "
+                        f"on {gpus} GPU(s){need}: raise --budget, add --gpus{hint}")
+    return SearchResult(ranked, rejected, too_big, len(plans), budget_bytes, usable, best)
+
+
+def _complexity(plan: Plan) -> int:
+    default = Plan()
+    return sum(getattr(plan, key) != getattr(default, key) for key in (
+        "precision", "checkpoint", "accum", "shard", "hybrid", "optimizer")) + len(plan.offload)

@@ -1,0 +1,239 @@
+"""One plan's prediction: the techniques composed over the baseline timeline.
+
+Order (fixed; each step sees what the previous ones made):
+
+1. checkpoint      lifetimes of saved activations, recompute in backward
+2. precision       dtypes and sizes, autocast copies, fp32 islands
+3. optimizer       state and step temporaries of the new optimizer; device rules
+                   (foreach temporaries on a CUDA target)
+4. batch           batch-dependent sizes scaled to the micro-batch B / (world * accum)
+5. sharding        per-rank shards, gathered units, DDP buckets
+6. offload         state / shards / saved activations moved to the host
+7. accumulation    the forward+backward segment repeated per micro-batch
+
+Everything up to 6 acts on positions of the recorded step; accumulation last lays the
+segment out ``accum`` times, copying what 1-6 added inside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UserError
+from ..plan import Plan, PlanError, repeated_blocks, resolve_checkpoint
+from ..trace import schema
+from ..trace.io import Trace
+from . import allocator as allocator_model
+from .accumulation import accumulated_peak, apply_accumulation
+from .batch import mark_batch_scaling, parameter_shapes, scale_batch
+from .checkpoint import apply_checkpoint
+from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
+                   work_profile)
+from .hardware import Hardware, device_rules, hardware
+from .offload import apply_offload
+from .optimizer_swap import apply_optimizer_swap
+from .precision import apply_precision, scaler_bytes
+from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline, replay_events
+from .sharding import apply_sharding
+
+
+@dataclass
+class Baseline:
+    """Everything about a trace that plans share, computed once."""
+
+    timeline: Timeline
+    meta: schema.TraceMeta
+    batch_size: int
+    device_type: str
+    module_parameter_bytes: dict[str, int]
+    blocks: list[str]
+    block_parameter_fraction: dict[str, float]
+    work: WorkProfile
+    peak: object
+    warnings: list[str] = field(default_factory=list)
+
+
+def prepare(trace: Trace) -> Baseline:
+    meta = trace.meta
+    if meta.steps_completed < 1 or not meta.steps:
+        why = f" ({meta.error})" if meta.error else ""
+        raise UserError(f"{trace.path or 'trace'}: the profiled run completed no training "
+                        f"step (status {meta.status}{why}); profile a run that completes "
+                        "at least one step")
+    warnings = []
+    if meta.status != "completed":
+        warnings.append(f"the profiled run ended with status {meta.status}; predictions use "
+                        f"its last complete step ({meta.steps_completed - 1})")
+    timeline = build_timeline(trace)
+    timeline = mark_batch_scaling(timeline, meta.batch or {}, parameter_shapes(timeline))
+    if not (meta.batch or {}).get("batch_size"):
+        warnings.append("the trace records no batch size: accumulation and world sizes "
+                        "cannot scale activations")
+    module_bytes = {m["path"]: int(m.get("parameter_bytes", 0)) for m in meta.modules}
+    total = {m["path"]: int(m.get("total_parameter_bytes", 0)) for m in meta.modules}
+    blocks = repeated_blocks(meta.modules) if meta.modules else []
+    all_params = max(float(meta.parameter_bytes or total.get("", 0) or 1), 1.0)
+    fractions = {b: total.get(b, 0) / all_params for b in blocks}
+    work = work_profile(meta, meta.steps_completed)
+    if not work.total_flops:
+        work = with_shape_flops(work, flops_from_shapes(timeline, meta))
+    return Baseline(timeline, meta, int((meta.batch or {}).get("batch_size") or 0),
+                    "cuda" if str(meta.device).startswith("cuda") else "cpu",
+                    module_bytes, blocks, fractions, work, timeline.peak(), warnings)
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    peak_bytes: int
+    by_category: dict[str, int]
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    cost: Cost
+    micro_batch_size: int
+    host_bytes: dict[str, float]
+    notes: dict
+    regions: list[str]
+    timeline: Timeline = field(repr=False)
+    out_of_memory: bool = False
+
+    @property
+    def step_time_factor(self) -> float:
+        return self.cost.step_time_factor
+
+
+def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str]) -> Timeline:
+    """Steps 1-3, which depend neither on the batch split nor on the ranks."""
+    timeline = base.timeline
+    if regions:
+        timeline, _ = apply_checkpoint(timeline, regions, hw.device_type)
+    timeline = apply_precision(timeline, plan.precision, hw.device_type,
+                               base.module_parameter_bytes)
+    if plan.precision == "amp-fp16":
+        timeline = _add_persistent(timeline, scaler_bytes(plan.precision), schema.OTHER)
+    timeline = apply_optimizer_swap(timeline, plan.optimizer)
+    return _device_optimizer_rules(timeline, base, hw, plan)
+
+
+def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None = None,
+              cache: dict | None = None) -> tuple[Timeline, list[str], dict, dict, int]:
+    """The plan's per-rank timeline for one micro-step (steps 1-6 of the module doc).
+
+    ``cache`` (a dict the caller keeps, e.g. ``advise`` over thousands of plans) holds the
+    result of steps 1-3 per (checkpoint, precision, optimizer, device) with its event
+    order sorted, so later steps only merge their few rows into it."""
+    regions = resolve_checkpoint(plan, base.meta.modules) if plan.checkpoint != "none" else []
+    key = (tuple(regions), plan.precision, plan.optimizer, "optimizer" in plan.offload,
+           hw.device_type)
+    if cache is not None and key in cache:
+        timeline = cache[key]
+    else:
+        timeline = _model_stage(base, plan, hw, regions)
+        if cache is not None:
+            timeline.order()
+            cache[key] = timeline
+    if base.batch_size:
+        micro = micro_batch or plan.micro_batch_size(base.batch_size)
+        timeline = scale_batch(timeline, micro / base.batch_size)
+    else:
+        micro = 0
+    timeline, notes = apply_sharding(timeline, plan, base.blocks, base.block_parameter_fraction)
+    timeline, host = apply_offload(timeline, plan)
+    # accumulation (7) is evaluated on this one-micro-step timeline: accumulated_peak
+    return timeline, regions, notes, host, micro
+
+
+def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
+             micro_batch: int | None = None, run_allocator: bool = True,
+             expandable_segments: bool = False, cache: dict | None = None) -> Prediction:
+    hw = hw or hardware(None, base.meta.device)
+    timeline, regions, notes, host, micro = transform(base, plan, hw, micro_batch, cache)
+    peak = accumulated_peak(timeline, plan.accum)
+    allocated = reserved = None
+    oom = False
+    if run_allocator and hw.device_type == "cuda":
+        sizes, rows = replay_events(apply_accumulation(timeline, plan.accum))
+        result = allocator_model.replay(sizes, rows, hw.memory_bytes, expandable_segments)
+        allocated, reserved, oom = (result.peak_allocated_bytes, result.peak_reserved_bytes,
+                                    result.out_of_memory)
+    elif hw.device_type == "cpu":
+        allocated = reserved = peak.bytes  # the CPU allocator does not cache
+    parameter_bytes = _model_parameter_bytes(base, plan)
+    activation_bytes = float(peak.by_category.get(schema.ACTIVATION, 0))
+    # gradients have the parameters' size and dtype
+    cost = estimate(plan, base.work, hw, regions, parameter_bytes, parameter_bytes,
+                    activation_bytes)
+    return Prediction(plan, peak.bytes, peak.by_category, allocated, reserved, cost, micro,
+                      host, notes, regions, timeline, oom)
+
+
+def _model_parameter_bytes(base: Baseline, plan: Plan) -> float:
+    total = float(base.meta.parameter_bytes or 0)
+    if plan.precision == "bf16":
+        total /= 2
+    return total
+
+
+def _add_persistent(timeline: Timeline, nbytes: int, category: str) -> Timeline:
+    if nbytes <= 0:
+        return timeline
+    return timeline.appended({"size": np.array([float(nbytes)]), "alloc_key": np.array([-1.0]),
+                              "free_key": np.array([float(timeline.n_events)]),
+                              "category": np.array([CATEGORY_CODE[category]], np.int8)})
+
+
+def _device_optimizer_rules(timeline: Timeline, base: Baseline, hw: Hardware,
+                            plan: Plan) -> Timeline:
+    """A CUDA target runs Adam-style optimizers with ``foreach``: the step makes one
+    temporary per parameter at once (``_foreach_sqrt`` of the second moments) where the
+    recorded CPU step made them one at a time."""
+    target, recorded = device_rules(hw.device_type), device_rules(base.device_type)
+    if target["optimizer_foreach"] == recorded["optimizer_foreach"]:
+        return timeline
+    if plan.optimizer in ("sgd", "sgd-momentum") or (plan.optimizer == "keep" and not any(
+            "adam" in str(o.get("class", "")).lower() for o in base.meta.optimizers)):
+        return timeline
+    if not target["optimizer_foreach"] or "optimizer" in plan.offload:
+        return timeline
+    optimizer = PHASE_CODE[schema.OPTIMIZER]
+    temps = (timeline.phase == optimizer) & timeline.category_mask(schema.TEMPORARY)
+    params = timeline.category_mask(schema.PARAMETER) & (timeline.alloc_key < 0)
+    events = np.flatnonzero(timeline.event_phase == optimizer)
+    start = float(events[0]) if len(events) else float(timeline.n_events) - 1
+    out = timeline.dropped(~temps)
+    return out.appended({"size": np.array([float(timeline.size[params].sum())]),
+                         "alloc_key": np.array([start + 0.5]),
+                         "free_key": np.array([start + 0.75]),
+                         "phase": np.array([optimizer], np.int8)})
+
+
+def max_micro_batch(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: float,
+                    limit: int = 1 << 16) -> int:
+    """Largest micro-batch (samples per rank per micro-step) whose peak fits the budget;
+    0 when even one sample does not fit.  Sizes are linear in the micro-batch, so the plan
+    is transformed once and only rescaled while bisecting."""
+    if not base.batch_size:
+        return 0
+    parts = plan.world * plan.accum
+    reference = max(base.batch_size // parts, 1)
+    timeline, *_ = transform(base, plan, hw, micro_batch=reference)
+    scaled = timeline.scales_with_batch
+
+    def fits(m: int) -> bool:
+        sizes = np.where(scaled, timeline.size * (m / reference), timeline.size)
+        return accumulated_peak(timeline.resized(sizes), plan.accum).bytes <= budget_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
