@@ -10,9 +10,12 @@ with_stack=True``, the closest built-in tool).  Every variant runs the example's
 ``main()`` with the same arguments and seed, and the variants take turns (``--rounds``
 times) so that a machine getting busier or quieter affects them alike.
 
-A step is timed by a global optimizer step post-hook that records ``time.perf_counter()``:
-a step's time is the gap between two optimizer steps.  The first ``--warmup`` steps of each
-run are dropped; the figure is the median over the remaining steps of all rounds.  Work
+A step is timed by a global optimizer step post-hook that records ``time.perf_counter()``
+(and ``time.process_time()``): a step's time is the gap between two optimizer steps.  The
+first ``--warmup`` steps of each run are dropped; the figure is the median over the
+remaining steps of all rounds.  Columns: median wall ms per step of each variant, the wall
+ratios to plain, the same ratios in CPU time (steadier where other programs share the
+machine), and the events memadvisor recorded per step.  Work
 done when a profiler stops (torch.profiler's post-processing, memadvisor's trace building)
 is not part of any step and is not counted.
 
@@ -57,22 +60,25 @@ def load_example(name: str):
 
 
 class StepClock:
-    """Times every optimizer step of whatever runs while it is installed."""
+    """Times every optimizer step of whatever runs while it is installed: wall time
+    (``perf_counter``) and this process's CPU time (``process_time``), which other
+    programs on a shared machine disturb much less."""
 
     def __init__(self):
-        self.stamps: list[float] = []
+        self.stamps: list[tuple[float, float]] = []
         self._handle = None
 
     def __enter__(self):
         self._handle = register_optimizer_step_post_hook(
-            lambda *_: self.stamps.append(time.perf_counter()))
+            lambda *_: self.stamps.append((time.perf_counter(), time.process_time())))
         return self
 
     def __exit__(self, *exc):
         self._handle.remove()
 
-    def step_times_s(self, warmup: int) -> list[float]:
-        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+    def step_times_s(self, warmup: int, clock: int = 0) -> list[float]:
+        """Per-step seconds of ``clock`` (0 wall, 1 CPU) after the warm-up steps."""
+        gaps = [b[clock] - a[clock] for a, b in zip(self.stamps, self.stamps[1:])]
         # gap k is step k+1; drop steps 0..warmup-1
         return gaps[max(warmup - 1, 0):]
 
@@ -105,25 +111,32 @@ def time_variant(example, args: list[str], variant: str, steps: int, warmup: int
         with _variant(variant, info):
             example.main(argv)
     info["step_times_s"] = clock.step_times_s(warmup)
+    info["step_cpu_s"] = clock.step_times_s(warmup, clock=1)
     return info
 
 
 def measure(name: str, steps: int, warmup: int, rounds: int) -> dict:
     example = load_example(name)
-    times = {variant: [] for variant in VARIANTS}
+    wall = {variant: [] for variant in VARIANTS}
+    cpu = {variant: [] for variant in VARIANTS}
     events = 0
     for _ in range(rounds):
         for variant in VARIANTS:
             info = time_variant(example, EXAMPLE_ARGS[name], variant, steps, warmup)
-            times[variant].extend(info["step_times_s"])
+            wall[variant].extend(info["step_times_s"])
+            cpu[variant].extend(info["step_cpu_s"])
             events = info.get("events", events)
-    median_ms = {v: 1000 * statistics.median(t) for v, t in times.items()}
+    median_ms = {v: 1000 * statistics.median(t) for v, t in wall.items()}
+    cpu_ms = {v: 1000 * statistics.median(t) for v, t in cpu.items()}
     return {
         "example": name,
         "median_ms": median_ms,
+        "median_cpu_ms": cpu_ms,
         "memadvisor_ratio": median_ms["memadvisor"] / median_ms["plain"],
         "torch_profiler_ratio": median_ms["torch.profiler"] / median_ms["plain"],
-        "steps_timed": {v: len(t) for v, t in times.items()},
+        "memadvisor_cpu_ratio": cpu_ms["memadvisor"] / cpu_ms["plain"],
+        "torch_profiler_cpu_ratio": cpu_ms["torch.profiler"] / cpu_ms["plain"],
+        "steps_timed": {v: len(t) for v, t in wall.items()},
         "memadvisor_events_per_step": events / (warmup + steps),
     }
 
@@ -144,6 +157,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     parser.add_argument("--rounds", type=int, default=2,
                         help="times each variant runs, taking turns with the others")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice); 1 is steadier "
+                             "on a machine other work is using")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
@@ -152,11 +168,14 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown examples: {', '.join(unknown)}")
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.steps} timed steps after {args.warmup} warm-up, x{args.rounds} rounds; "
           "median ms per step")
-    header = (f"{'example':<15} {'plain':>9} {'memadvisor':>11} {'torch.prof':>11} "
-              f"{'ma/plain':>9} {'tp/plain':>9} {'events/step':>12}  verdict")
+    header = (f"{'example':<15} {'plain':>8} {'memadv.':>8} {'torch.p':>8} "
+              f"{'ma/plain':>9} {'tp/plain':>9} {'cpu ma/pl':>10} {'cpu tp/pl':>10} "
+              f"{'events/step':>12}  verdict")
     print(header)
     print("-" * len(header))
     missed = False
@@ -165,10 +184,11 @@ def main(argv=None) -> int:
         ms = row["median_ms"]
         result = verdict(row)
         missed |= result != "ok"
-        print(f"{name:<15} {ms['plain']:>9.1f} {ms['memadvisor']:>11.1f} "
-              f"{ms['torch.profiler']:>11.1f} {row['memadvisor_ratio']:>8.2f}x "
-              f"{row['torch_profiler_ratio']:>8.2f}x {row['memadvisor_events_per_step']:>12.0f}"
-              f"  {result}", flush=True)
+        print(f"{name:<15} {ms['plain']:>8.1f} {ms['memadvisor']:>8.1f} "
+              f"{ms['torch.profiler']:>8.1f} {row['memadvisor_ratio']:>8.2f}x "
+              f"{row['torch_profiler_ratio']:>8.2f}x {row['memadvisor_cpu_ratio']:>9.2f}x "
+              f"{row['torch_profiler_cpu_ratio']:>9.2f}x "
+              f"{row['memadvisor_events_per_step']:>12.0f}  {result}", flush=True)
     return 1 if (missed and args.check) else 0
 
 

@@ -12,7 +12,5 @@ memadvisor summary "reports/$EXAMPLE.trace"
 if memadvisor advise --help >/dev/null 2>&1; then
   memadvisor advise "reports/$EXAMPLE.trace" --budget 64MiB --gpus 2
 fi
-if memadvisor report --help >/dev/null 2>&1; then
-  memadvisor report "reports/$EXAMPLE.trace" --budget 64MiB -o "reports/$EXAMPLE.html"
-  echo "report: reports/$EXAMPLE.html"
-fi
+memadvisor report "reports/$EXAMPLE.trace" --budget 64MiB --gpus 2 -o "reports/$EXAMPLE.html"
+echo "report: reports/$EXAMPLE.html (self-contained; open it in a browser)"

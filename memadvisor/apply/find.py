@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 #: optimizer classes recognised by bare name (``from torch.optim import AdamW``)
 TORCH_OPTIMIZERS = {
@@ -130,18 +130,51 @@ def argument_names(node: cst.CSTNode) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+class _Index(cst.CSTVisitor):
+    """Parent and source order of every node, in one walk (libcst's metadata providers
+    copy the tree and cost ~10x more; line numbers are resolved only for messages)."""
+
+    def __init__(self):
+        self.parents: dict = {}
+        self.order: dict = {}
+        self._stack: list = []
+
+    def on_visit(self, node):
+        if self._stack:
+            self.parents[node] = self._stack[-1]
+        self.order[node] = len(self.order)
+        self._stack.append(node)
+        return True
+
+    def on_leave(self, original_node):
+        self._stack.pop()
+
+
 class ScriptFinder:
     def __init__(self, module: cst.Module, filename: str = "script.py"):
-        self.wrapper = MetadataWrapper(module)
-        self.module = self.wrapper.module
-        self.parents = self.wrapper.resolve(ParentNodeProvider)
-        self.positions = self.wrapper.resolve(PositionProvider)
+        self.module = module
+        index = _Index()
+        module.visit(index)
+        self.parents, self.order = index.parents, index.order
+        self._positions = None
         self.filename = filename
-        self.statements = collect(self.module, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
+        self.statements = [n for n in self.order
+                           if isinstance(n, (cst.SimpleStatementLine, cst.BaseCompoundStatement))]
 
     # --- helpers ----------------------------------------------------------------------
     def line(self, node) -> int:
-        return self.positions[node].start.line
+        if self._positions is None:
+            wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
+            self._positions = wrapper.resolve(PositionProvider)
+        return self._positions[node].start.line
+
+    def nodes(self, kinds) -> list:
+        """Every node of the module of the given kinds, in source order."""
+        return [n for n in self.order if isinstance(n, kinds)]
+
+    def before(self, node, other) -> bool:
+        """``node`` starts before ``other`` in the source."""
+        return self.order[node] < self.order[other]
 
     def marker(self, statement) -> str | None:
         comment = getattr(getattr(statement, "trailing_whitespace", None), "comment", None)
@@ -208,7 +241,7 @@ class ScriptFinder:
         chosen = marked or candidates
         if not chosen:
             manual = any(isinstance(s, cst.AugAssign) and isinstance(s.target, cst.Name)
-                         for s in collect(self.module, cst.AugAssign))
+                         for s in self.nodes(cst.AugAssign))
             hint = (" (the script seems to update parameters by hand; memadvisor needs a "
                     "torch.optim optimizer to shard, swap or offload)" if manual else "")
             raise NotFound("optimizer", "no `NAME = torch.optim.<Class>(...)` found" + hint +
@@ -234,11 +267,11 @@ class ScriptFinder:
             # the optimizer was given a name (params, groups): look where that was built
             scope = self.enclosing(optimizer_statement, _SCOPES)
             before = [s for s in collect(scope, cst.SimpleStatementLine)
-                      if self.line(s) < self.line(optimizer_statement)]
+                      if self.before(s, optimizer_statement)]
             for statement in before:
                 owners.extend(self._parameter_owners(statement))
             for loop in collect(scope, cst.For):
-                if self.line(loop) < self.line(optimizer_statement):
+                if self.before(loop, optimizer_statement):
                     owners.extend(self._parameter_owners(loop.iter))
             owners = list(dict.fromkeys(owners))
         if len(owners) != 1:
@@ -282,7 +315,7 @@ class ScriptFinder:
         found = [e for e in self.expression_calls("step")
                  if not e.value.args and _same_object(dotted(e.value.func.value), optimizer)
                  and dotted(e.value.func.value) not in schedulers]
-        for call in collect(self.module, cst.Call):
+        for call in self.nodes(cst.Call):
             if (isinstance(call.func, cst.Attribute) and call.func.attr.value == "step"
                     and call.args and dotted(call.args[0].value) == optimizer):
                 raise NotFound("step", f"line {self.line(call)}: the optimizer is stepped "
@@ -294,12 +327,12 @@ class ScriptFinder:
 
     def clips(self) -> list[cst.Call]:
         imported = {alias.evaluated_alias or alias.evaluated_name
-                    for node in collect(self.module, cst.ImportFrom)
+                    for node in self.nodes(cst.ImportFrom)
                     if dotted(node.module) in ("torch.nn.utils", "torch.nn.utils.clip_grad")
                     and not isinstance(node.names, cst.ImportStar)
                     for alias in node.names}
         found = []
-        for call in collect(self.module, cst.Call):
+        for call in self.nodes(cst.Call):
             text = dotted(call.func) or ""
             prefix, _, name = text.rpartition(".")
             if name in ("clip_grad_norm_", "clip_grad_value_") and (
@@ -351,19 +384,19 @@ class ScriptFinder:
         return hoisted
 
     def batch(self, region, model: str, optimizer: str) -> list[str]:
-        first_line = self.line(region[0])
-        container = self.enclosing(region[0], _LOOPS + (cst.FunctionDef,))
+        first = region[0]
+        container = self.enclosing(first, _LOOPS + (cst.FunctionDef,))
         for statement, target, _ in self.assignments():
-            if self.marker(statement) == "batch" and self.line(statement) < first_line:
+            if self.marker(statement) == "batch" and self.before(statement, first):
                 return bound_names(target)
-        bound = set(self._bound_before(container, first_line))
+        bound = set(self._bound_before(container, first))
         excluded = {model.split(".")[0], optimizer.split(".")[0], "self", "cls"}
         used = [n for s in region for n in argument_names(s)]
         batch = [n for n in dict.fromkeys(used) if n in bound and n not in excluded]
         if not batch:
             # a fixed batch made once before the loop: the names the model is called with
             scope = self.enclosing(region[0], (cst.FunctionDef,))
-            outer = set(self._bound_before(scope, first_line))
+            outer = set(self._bound_before(scope, first))
             calls = [c for s in region for c in collect(s, cst.Call)
                      if _same_object(dotted(c.func), model)]
             batch = [n for c in calls for arg in c.args for n in argument_names(arg)
@@ -371,11 +404,11 @@ class ScriptFinder:
             batch = list(dict.fromkeys(batch))
         if not batch:
             raise NotFound("batch", f"could not tell which variables hold the batch fed to "
-                           f"`{model}` at line {first_line}; end the line that assigns them "
+                           f"`{model}` at line {self.line(first)}; end the line that assigns them "
                            "with `# memadvisor: batch`")
         return batch
 
-    def _bound_before(self, container, line: int) -> list[str]:
+    def _bound_before(self, container, first) -> list[str]:
         names = []
         if isinstance(container, cst.For):
             names += bound_names(container.target)
@@ -384,10 +417,10 @@ class ScriptFinder:
             for param in (*params.posonly_params, *params.params, *params.kwonly_params):
                 names.append(param.name.value)
         for statement, target, _ in self.assignments():
-            if self.line(statement) < line and self._inside(statement, container):
+            if self.before(statement, first) and self._inside(statement, container):
                 names += bound_names(target)
         for node in collect(container, (cst.For, cst.AugAssign, cst.WithItem)):
-            if self.line(node) >= line or not self._inside(node, container):
+            if not self.before(node, first) or not self._inside(node, container):
                 continue
             if isinstance(node, cst.For) and node is not container:
                 names += bound_names(node.target)

@@ -23,7 +23,7 @@ import libcst as cst
 
 from ..errors import UserError
 from ..plan import Plan
-from .find import Found, ScriptFinder, ScriptNotUnderstood, collect, dotted
+from .find import Found, ScriptFinder, ScriptNotUnderstood, dotted
 
 ALIAS = "mem"
 RUNTIME_MODULE = "memadvisor.apply"
@@ -49,19 +49,23 @@ class Rewrite:
 
 def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewrite:
     try:
+        compile(source, filename, "exec", dont_inherit=True)  # Python's own words for errors
         module = cst.parse_module(source)
+    except SyntaxError as exc:
+        raise RewriteError(f"cannot parse {filename}: line {exc.lineno}: {exc.msg} "
+                           "(nothing was written or run)") from None
     except cst.ParserSyntaxError as exc:
-        raise RewriteError(f"cannot parse {filename}: line {exc.raw_line}: "
+        raise RewriteError(f"cannot parse {filename}: line {exc.editor_line}: "
                            f"{str(exc.message).splitlines()[0]}") from None
-    existing = _existing_prepare(module)
+    finder = ScriptFinder(module, filename)
+    existing = _existing_prepare(finder)
     if existing is not None:
         return _update_plan(module, source, plan, existing)
-    finder = ScriptFinder(module, filename)
     try:
         found = finder.find()
     except ScriptNotUnderstood as exc:
         raise RewriteError(str(exc)) from None
-    alias = _free_alias(finder.module)
+    alias = _free_alias(finder)
     new_module = finder.module.visit(_Editor(found, plan, alias, _import_anchor(finder.module)))
     return Rewrite(source, new_module.code, plan, found={
         "model": found.model, "optimizer": found.optimizer, "batch": ", ".join(found.batch),
@@ -176,8 +180,8 @@ def _string_literal(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _free_alias(module: cst.Module) -> str:
-    used = {n.value for n in collect(module, cst.Name)}
+def _free_alias(finder: ScriptFinder) -> str:
+    used = {n.value for n in finder.nodes(cst.Name)}
     for alias in (ALIAS, "memadvisor_apply", "_memadvisor_apply"):
         if alias not in used:
             return alias
@@ -202,13 +206,13 @@ def _import_anchor(module: cst.Module):
 
 
 # --- a script rewritten before: replace the plan literal --------------------------------
-def _existing_prepare(module: cst.Module):
+def _existing_prepare(finder: ScriptFinder):
     imports_runtime = any(
         dotted(alias.name) == RUNTIME_MODULE
-        for node in collect(module, cst.Import) for alias in node.names)
+        for node in finder.nodes(cst.Import) for alias in node.names)
     if not imports_runtime:
         return None
-    for call in collect(module, cst.Call):
+    for call in finder.nodes(cst.Call):
         if isinstance(call.func, cst.Attribute) and call.func.attr.value == "prepare":
             for arg in call.args:
                 if arg.keyword is not None and arg.keyword.value == "plan":

@@ -32,7 +32,7 @@ def command(trace_path, budget, baseline_path, max_increase, junit_path):
     """CI gate: exit 0 when TRACE fits the budget and has not regressed, 1 when not,
     2 on bad input.  Prints one line per check."""
     from ..errors import UserError
-    from ..report.gate import Increase, run_checks
+    from ..report.gate import Increase, require_complete_step, run_checks
     from ..trace.io import TraceError, read_trace
     from ..trace.summary import summarize
     from ..units import parse_bytes
@@ -45,6 +45,9 @@ def command(trace_path, budget, baseline_path, max_increase, junit_path):
         increase = Increase.parse(max_increase)
         summary = summarize(read_trace(trace_path))
         baseline = summarize(read_trace(baseline_path)) if baseline_path else None
+        for checked in (summary, baseline):
+            if checked is not None:
+                require_complete_step(checked)
     except (UserError, TraceError) as exc:
         if junit_path:
             _write_junit(junit_path, [], trace_path, started, error=str(exc))

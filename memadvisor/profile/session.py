@@ -362,10 +362,13 @@ class ProfileSession:
     def _snapshot_model(self) -> None:
         """Describe the model and optimizers while they are alive (we hold no references)."""
         roots = self.modules.root_modules()
-        if not roots and self._model_snapshot:
+        if not roots and not self._leaves and self._model_snapshot:
             return  # the script already dropped its model: keep what we saw last
         named_roots = [(self.modules.name_of(root), root) for root in roots]
         parameters = list({id(p): p for root in roots for p in root.parameters()}.values())
+        if not roots:  # a script without nn.Module: its trainable leaf tensors
+            parameters = [leaf for leaf in (ref() for ref in self._leaves.values())
+                          if leaf is not None]
         device = metadata.main_device(roots)
         batch = dict(self._batch)
         if batch.get("shapes") and batch["shapes"][0]:

@@ -55,10 +55,8 @@ class ReportData:
     headline: Headline
     plans: PlanSection
     source_code: list[str] = field(default_factory=list)  #: code of each top site, or ''
-
     comparison: dict[str, Any] | None = None
     baseline_path: str = ""
-    plan_spec: str | None = None
     generated_unix_s: float = 0.0
 
 
@@ -111,5 +109,5 @@ def build_report(trace: Trace, *, budget_bytes: int | None = None, num_gpus: int
         timeline=step_timeline(trace, max_buckets=max_buckets),
         headline=headline(summary, budget_bytes, num_gpus), plans=plans,
         source_code=source_code, comparison=comparison,
-        baseline_path=baseline.path if baseline is not None else "", plan_spec=plan_spec,
+        baseline_path=baseline.path if baseline is not None else "",
         generated_unix_s=time.time())

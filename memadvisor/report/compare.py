@@ -135,8 +135,11 @@ def compare_text(result: dict[str, Any]) -> str:
     a, b = result["a"], result["b"]
     ratio = result["peak_change_ratio"]
     pct = f", {100 * ratio:+.1f}%" if ratio is not None else ""
-    lines = [f"A: {a['trace']} step {a['step']}  ({a['events']:,} events)",
-             f"B: {b['trace']} step {b['step']}  ({b['events']:,} events)",
+    def which(side):
+        return "whole run (no complete step)" if side["step"] is None else f"step {side['step']}"
+
+    lines = [f"A: {a['trace']} {which(a)}  ({a['events']:,} events)",
+             f"B: {b['trace']} {which(b)}  ({b['events']:,} events)",
              f"peak: {fb(a['peak_bytes'])} -> {fb(b['peak_bytes'])} "
              f"({_signed(result['peak_change_bytes'])}{pct})",
              f"allocated in the step: {fb(a['allocated_bytes'])} -> {fb(b['allocated_bytes'])} "

@@ -96,15 +96,26 @@ def regression_check(summary: dict[str, Any], baseline: dict[str, Any],
                        peak, old + allowed)
 
 
+def require_complete_step(summary: dict[str, Any]) -> None:
+    """A gate must not pass a run that never finished a step: its peak means nothing."""
+    if summary["analysed_step"] is None:
+        why = f": {summary['error']}" if summary.get("error") else ""
+        raise UserError(f"{summary['trace']}: the profiled run completed no training step "
+                        f"(status {summary['status']}{why}); nothing to check", exit_code=2)
+
+
 def run_checks(summary: dict[str, Any], *, budget_bytes: int | None = None,
                baseline: dict[str, Any] | None = None,
                max_increase: Increase = Increase(ratio=0.05)) -> list[CheckResult]:
-    """``summary`` and ``baseline`` are ``summarize()`` results."""
+    """``summary`` and ``baseline`` are ``summarize()`` results with a complete step."""
     results = []
     if budget_bytes is not None:
         results.append(budget_check(summary, budget_bytes))
     if baseline is not None:
         results.append(regression_check(summary, baseline, max_increase))
+    if summary.get("status", "completed") != "completed":
+        for result in results:  # judged on the last complete step; say the run did not end well
+            result.message += f" (the run ended with status {summary['status']})"
     return results
 
 

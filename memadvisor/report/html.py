@@ -82,7 +82,6 @@ class _Page:
     MIN_POOLED = 256  #: shorter encoded arrays are cheaper left in place
 
     def __init__(self):
-        self.sections: list[str] = []
         self.figures: dict[str, Any] = {}  # div id -> figure dict (arrays pooled)
         self.pool: list[dict[str, str]] = []
         self._pool_index: dict[tuple[str, str], int] = {}
@@ -137,9 +136,10 @@ def _headline(data: ReportData) -> str:
     lines = [e(h.text)]
     rec = data.plans.recommended
     if rec is not None:
-        lines.append(f"Recommended plan <code>{e(rec.plan)}</code>: predicted peak "
-                     f"{fb(rec.peak_bytes)}, step time ×{rec.step_time_factor:.2f}"
-                     + (" (fits)" if rec.fits else " (does not fit)"))
+        which = "Recommended plan" if data.plans.requested == "budget" else "Plan"
+        verdict = {True: " (fits)", False: " (does not fit)", None: ""}[rec.fits]
+        lines.append(f"{which} <code>{e(rec.plan)}</code>: predicted peak "
+                     f"{fb(rec.peak_bytes)}, step time ×{rec.step_time_factor:.2f}{verdict}")
     return f'<div id="headline" class="headline {cls}">{"<br>".join(lines)}</div>'
 
 
@@ -204,9 +204,9 @@ def _plans(page: _Page, data: ReportData) -> str:
         return f'{title}<p class="notice" id="plans-notice">{e(message)}</p></section>'
     rows, classes = [], []
     for plan in p.predictions:
+        fits = {True: "yes", False: "no", None: "—"}[plan.fits]
         rows.append([f"<code>{e(plan.plan)}</code>", fb(plan.peak_bytes), fb(plan.reserved_bytes),
-                     f"×{plan.step_time_factor:.2f}", "yes" if plan.fits else "no",
-                     e(plan.changes)])
+                     f"×{plan.step_time_factor:.2f}", fits, e(plan.changes)])
         classes.append("recommended" if plan is p.recommended else "")
     table = _table([("plan", ""), ("predicted peak", "num"), ("reserved", "num"),
                     ("step time", "num"), ("fits", ""), ("what changes", "")], rows, classes,

@@ -58,49 +58,57 @@ def segment_keys(timeline: Timeline) -> tuple[float, float] | None:
     return bounds[0] - 0.5, bounds[1] + 1.0
 
 
-def accumulated_peak(timeline: Timeline, accum: int):
+def accumulated_peak(timeline: Timeline, accum: int, categories: bool = True):
     """Peak of ``accum`` micro-steps without laying them out: the first micro-step is the
     recorded segment; every later one is the same segment with the released storages
     gone, the outliving ones (gradients, kept outputs) present from its start, and each
     outliving allocation a brief second instance (``AccumulateGrad`` adds it into .grad;
     a reassigned output frees its predecessor).  After the last micro-step memory is what
-    it is after the first.  Returns a ``replay.Peak``."""
+    it is after the first.  Returns a ``replay.Peak`` (``by_category`` empty unless
+    ``categories``)."""
     from .replay import Peak
 
-    peak = timeline.peak()
-    keys = segment_keys(timeline)
-    if accum <= 1 or keys is None:
-        return peak
-    start, end = keys
-    local, outliving, released = _masks(timeline, start, end)
     order = timeline.order()
     rows = len(timeline)
-    sorted_keys = timeline.sort_keys()[order]
-    w0, w1 = np.searchsorted(sorted_keys, [start - 1e-6, end - 1e-6])
-    if w1 <= w0:
-        return peak
-    is_alloc = order[w0:w1] >= rows
-    row = np.where(is_alloc, order[w0:w1] - rows, order[w0:w1])
-    size = timeline.size[row]
-    deltas = np.where(is_alloc, size, -size)
-    deltas = np.where(~is_alloc & released[row], 0.0, deltas)
-    spikes = np.where(is_alloc & outliving[row], size, 0.0)
-    before = float(np.concatenate([-timeline.size, timeline.size])[order[:w0]].sum())
-    entering = before - float(timeline.size[released].sum()) + float(
-        timeline.size[outliving].sum())
-    spike_sum = np.cumsum(spikes)
-    curve = entering + np.cumsum(deltas) - (spike_sum - spikes)
-    at = int(np.argmax(curve))
-    value = int(round(float(curve[at])))
-    if value <= peak.bytes:
-        return peak
-    alive = timeline.alive_rows(0, upto_sorted=w0 + at)
-    alive = (alive & ~released) | outliving
+    signed = np.concatenate([-timeline.size, timeline.size])[order]
+    curve = np.cumsum(signed)
+    at = int(np.argmax(curve)) if len(curve) else -1
+    best = (int(round(float(curve[at]))) if at >= 0 else 0, at, 0.0, None)
+    keys = segment_keys(timeline) if accum > 1 else None
+    if keys is not None:
+        start, end = keys
+        local, outliving, released = _masks(timeline, start, end)
+        sorted_keys = timeline.sort_keys()[order]
+        w0, w1 = (int(i) for i in np.searchsorted(sorted_keys, [start - 1e-6, end - 1e-6]))
+        if w1 > w0:
+            window = order[w0:w1]
+            is_alloc = window >= rows
+            row = np.where(is_alloc, window - rows, window)
+            deltas = np.where(~is_alloc & released[row], 0.0, signed[w0:w1])
+            spikes = np.where(is_alloc & outliving[row], timeline.size[row], 0.0)
+            before = float(curve[w0 - 1]) if w0 > 0 else 0.0
+            entering = before - float(timeline.size[released].sum()) + float(
+                timeline.size[outliving].sum())
+            middle = entering + np.cumsum(deltas) - (np.cumsum(spikes) - spikes)
+            m = int(np.argmax(middle))
+            if round(float(middle[m])) > best[0]:
+                best = (int(round(float(middle[m]))), w0 + m, float(spikes[m]),
+                        (released, outliving, row[m]))
+    value, position, spike, middle_info = best
+    if position < 0:
+        return Peak(0, -1.0, {})
+    key = float(timeline.sort_keys()[order[position]])
+    if not categories:
+        return Peak(value, key, {})
+    alive = timeline.alive_rows(0, upto_sorted=position)
+    if middle_info is not None:
+        released, outliving, spike_row = middle_info
+        alive = (alive & ~released) | outliving
     by_category = timeline.bytes_by_category(alive)
-    if spikes[at]:
-        category = schema.CATEGORIES[int(timeline.category[row[at]])]
-        by_category[category] = by_category.get(category, 0) + int(round(spikes[at]))
-    return Peak(value, float(sorted_keys[w0 + at]), by_category)
+    if spike:
+        category = schema.CATEGORIES[int(timeline.category[middle_info[2]])]
+        by_category[category] = by_category.get(category, 0) + int(round(spike))
+    return Peak(value, key, by_category)
 
 
 def apply_accumulation(timeline: Timeline, accum: int) -> Timeline:

@@ -109,22 +109,24 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     is_low = np.zeros(len(timeline), bool)
     floating = np.isin(timeline.dtype_names(), ("float32", "float16", "bfloat16"))
     previous_low = False
-    previous_row = -1
     casts: list[tuple[int, int]] = []  #: (fp32 input row, low-precision op row)
+    recent: list[int] = []  #: floating rows made since the last low-precision op
     for row in forward:
         if not floating[row]:
             continue
         op = ops[row]
         if op in lower_ops:
             is_low[row] = True
-            if previous_row >= 0 and not previous_low:
-                casts.append((previous_row, row))
+            source = _input_of(timeline, row, recent)
+            if source >= 0 and not is_low[source]:
+                casts.append((source, row))
+            recent = []
         elif op in fp32_ops:
             is_low[row] = False
         elif op in PASS_THROUGH:
             is_low[row] = previous_low
         previous_low = is_low[row]
-        previous_row = row
+        recent.append(row)
     # backward tensors shaped like a 16-bit forward tensor of the same module
     low_keys = {(int(m), str(s)) for m, s in zip(timeline.module[is_low], timeline.shape[is_low])}
     backward = np.flatnonzero((timeline.phase == _BACKWARD)
@@ -158,7 +160,11 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
         rows["module"].append(code)
         rows["category"].append(CATEGORY_CODE[schema.AUTOCAST_WEIGHT])
         rows["phase"].append(_FORWARD)
+    if low not in out.dtypes:
+        out = out.with_dtype(np.zeros(0, int), low)
+    low_code = out.dtypes.index(low)
     if rows["size"]:
+        rows["dtype"] = [low_code] * len(rows["size"])
         out = out.appended({k: np.asarray(v) for k, v in rows.items()})
     # the 16-bit gradient of each weight copy, cast into the fp32 .grad right away
     grads = np.flatnonzero(timeline.category_mask(schema.GRADIENT)
@@ -169,8 +175,31 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
             "alloc_key": timeline.alloc_key[grads] - 0.25,
             "free_key": timeline.alloc_key[grads] + 0.25,
             "module": timeline.module[grads], "phase": np.full(len(grads), _BACKWARD, np.int8),
+            "dtype": np.full(len(grads), low_code, np.int16),
             "shape": timeline.shape[grads]})
     return out
+
+
+def _positions(shape: str) -> tuple[int, int]:
+    dims = [int(d) for d in shape.split(",")] if shape else []
+    if not dims:
+        return 0, 0
+    total = 1
+    for d in dims:
+        total *= d
+    return total // dims[-1], dims[-1]
+
+
+def _input_of(timeline: Timeline, row: int, recent: list[int]) -> int:
+    """The fp32 tensor a low-precision op most likely read: the latest row made since the
+    previous low-precision op with as many positions (all dims but the last) as the op's
+    output and a real feature dimension (not a norm's per-position statistics)."""
+    positions, _ = _positions(str(timeline.shape[row]))
+    for candidate in reversed(recent):
+        count, last = _positions(str(timeline.shape[candidate]))
+        if count == positions and last > 1:
+            return candidate
+    return -1
 
 
 def _input_casts(out: Timeline, timeline: Timeline, casts: list[tuple[int, int]],
@@ -189,8 +218,13 @@ def _input_casts(out: Timeline, timeline: Timeline, casts: list[tuple[int, int]]
     op_keys = timeline.alloc_key[consumers]
     free_key[inputs[saved]] = op_keys[saved] + 0.5
     out = out.retimed(out.alloc_key, free_key)
+    low_code = out.dtypes.index(low) if low in out.dtypes else None
+    if low_code is None:
+        out = out.with_dtype(np.zeros(0, int), low)
+        low_code = out.dtypes.index(low)
     return out.appended({
         "size": timeline.size[inputs] * ratio,
+        "dtype": np.full(len(casts), low_code, np.int16),
         "alloc_key": op_keys - 0.5,
         "free_key": np.where(saved, timeline.free_key[inputs], op_keys + 0.5),
         "category": np.where(saved, activation, CATEGORY_CODE[schema.TEMPORARY]).astype(np.int8),

@@ -111,9 +111,17 @@ class Timeline:
         count = len(rows["size"])
         if not count:
             return self
+        base = self
+        if "dtype" not in rows and "float32" not in self.dtypes:
+            base = replace(self, dtypes=self.dtypes + ["float32"])
+            base._order, base._parent = self._order, self._parent
+        if base is not self:
+            return base.appended(rows)
         defaults = {
             "category": np.full(count, CATEGORY_CODE[schema.TEMPORARY], np.int8),
-            "dtype": np.zeros(count, np.int16), "module": np.zeros(count, np.int32),
+            "dtype": np.full(count, self.dtypes.index("float32") if "float32" in self.dtypes
+                             else 0, np.int16),
+            "module": np.zeros(count, np.int32),
             "phase": np.zeros(count, np.int8), "op": np.zeros(count, np.int32),
             "scales_with_batch": np.zeros(count, bool),
             "shape": np.full(count, "", dtype=object),

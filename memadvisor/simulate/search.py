@@ -96,7 +96,8 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
             rejected.append((plan, problems[0]))
             continue
         try:
-            prediction = simulate(base, plan, hw, run_allocator=False, cache=cache)
+            prediction = simulate(base, plan, hw, run_allocator=False, cache=cache,
+                                  categories=False)
         except PlanError as exc:
             rejected.append((plan, str(exc)))
             continue
@@ -108,12 +109,12 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     for prediction in fitting:
         if len(ranked) >= top:
             break
-        if hw.device_type == "cuda" and len(ranked) < exact_top:
-            prediction = simulate(base, prediction.plan, hw,
-                                  expandable_segments=expandable_segments)
-            if (prediction.reserved_bytes or prediction.peak_bytes) > usable:
-                too_big.append(prediction)
-                continue
+        exact = hw.device_type == "cuda" and len(ranked) < exact_top
+        prediction = simulate(base, prediction.plan, hw, run_allocator=exact,
+                              expandable_segments=expandable_segments, cache=cache)
+        if exact and (prediction.reserved_bytes or prediction.peak_bytes) > usable:
+            too_big.append(prediction)
+            continue
         ranked.append(prediction)
     best = {}
     for prediction in ranked[:3]:

@@ -146,10 +146,11 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
 
 def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
              micro_batch: int | None = None, run_allocator: bool = True,
-             expandable_segments: bool = False, cache: dict | None = None) -> Prediction:
+             expandable_segments: bool = False, cache: dict | None = None,
+             categories: bool = True) -> Prediction:
     hw = hw or hardware(None, base.meta.device)
     timeline, regions, notes, host, micro = transform(base, plan, hw, micro_batch, cache)
-    peak = accumulated_peak(timeline, plan.accum)
+    peak = accumulated_peak(timeline, plan.accum, categories)
     allocated = reserved = None
     oom = False
     if run_allocator and hw.device_type == "cuda":
@@ -222,7 +223,7 @@ def max_micro_batch(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: floa
 
     def fits(m: int) -> bool:
         sizes = np.where(scaled, timeline.size * (m / reference), timeline.size)
-        return accumulated_peak(timeline.resized(sizes), plan.accum).bytes <= budget_bytes
+        return accumulated_peak(timeline.resized(sizes), plan.accum, False).bytes <= budget_bytes
 
     if not fits(1):
         return 0

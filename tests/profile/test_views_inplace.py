@@ -1,8 +1,11 @@
 """Views and in-place ops share their base's storage: they must never add bytes.
 
-The expected allocations are written out by hand (count, bytes, op) from what the code
-does; an extra row means a view or an in-place result was counted as new memory, a
-missing one means a real allocation was lost.
+The expected storage allocations are written out by hand (count, bytes, op) from what the
+code does; an extra row means a view or an in-place result was counted as new memory, a
+missing one means a real allocation was lost.  Where the native allocator hook runs, the
+trace also holds blocks a kernel allocates for itself (dtype ``bytes``): an in-place op
+with a Python scalar wraps it in a few-byte tensor.  Those must be transient -- freed
+inside the op -- and scalar-sized, so the section's live bytes still do not move.
 """
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ import torch
 import torch.nn as nn
 
 from memadvisor.profile import ProfileSession
+from memadvisor.trace.schema import RAW_BYTES_DTYPE
 
 FLOAT = 4  # bytes of a float32
+SCALAR_BYTES = 8  # the largest wrapped scalar (a double or an int64)
 
 
 def _events(session):
@@ -19,10 +24,28 @@ def _events(session):
     return table.to_pandas()
 
 
+def _is_internal(events):
+    return events["dtype"].astype(str) == RAW_BYTES_DTYPE
+
+
 def _allocs(events, start: int = 0, stop: int | None = None) -> list[tuple[str, int]]:
+    """Storage allocations (kernel-internal blocks left out) among events[start:stop]."""
     part = events.iloc[start:stop]
-    part = part[part["action"] == "alloc"]
+    part = part[(part["action"] == "alloc") & ~_is_internal(part)]
     return list(zip(part["op"].astype(str), part["size_bytes"].astype(int)))
+
+
+def _assert_internal_blocks_are_transient_scalars(events, start: int = 0,
+                                                  stop: int | None = None) -> None:
+    part = events.iloc[start:stop]
+    internal = part[_is_internal(part)]
+    made = internal[internal["action"] == "alloc"]
+    freed = internal[internal["action"] == "free"]
+    assert set(made["storage_id"]) == set(freed["storage_id"]), "a kernel block outlived it"
+    assert (made["size_bytes"] <= SCALAR_BYTES).all(), made[["op", "size_bytes"]]
+    for sid, op in zip(made["storage_id"], made["op"].astype(str)):
+        # freed by the same op that made it
+        assert set(freed[freed["storage_id"] == sid]["op"].astype(str)) == {op}
 
 
 def _live(events) -> int:
@@ -73,12 +96,14 @@ def test_views_and_inplace_ops_allocate_nothing():
                                          ("aten::randn", 64 * 32 * FLOAT),
                                          ("aten::empty", 64 * 32 * FLOAT),
                                          ("aten::randn", 32 * FLOAT)]
-    # only the control allocates in the section; nothing was freed either
+    # only the control allocates a storage in the section; no storage was freed either
     assert _allocs(events, start, stop) == [("aten::add", 64 * 32 * FLOAT)]
-    assert (events.iloc[start:stop]["action"] == "alloc").all()
+    section = events.iloc[start:stop]
+    assert (section[~_is_internal(section)]["action"] == "alloc").all()
+    _assert_internal_blocks_are_transient_scalars(events, start, stop)
+    assert _live(section) == 64 * 32 * FLOAT
     # what is alive at the end is exactly the storages we still hold
-    live = _live(events)
-    assert live == _storage_bytes(a, b, c, row, *results)
+    assert _live(events) == _storage_bytes(a, b, c, row, *results)
 
 
 class _ViewNet(nn.Module):
@@ -108,27 +133,37 @@ class _ViewNet(nn.Module):
         return y.sum()
 
 
-def _forward_allocs(ops: bool) -> list[tuple[str, int, str]]:
+def _forward(ops: bool):
+    """(storage allocations in forward, live bytes when forward ends, events)."""
     torch.manual_seed(0)
     model = _ViewNet(ops)
     x = torch.randn(64, 32)
     with ProfileSession() as session:
         model(x).backward()
     events = _events(session)
-    forward = events[(events["phase"] == "forward") & (events["action"] == "alloc")]
-    return list(zip(forward["op"].astype(str), forward["size_bytes"].astype(int),
-                    forward["category"].astype(str)))
+    in_forward = (events["phase"] == "forward").to_numpy()
+    end_of_forward = int(in_forward.nonzero()[0].max()) + 1
+    forward = events[in_forward & (events["action"] == "alloc").to_numpy()
+                     & ~_is_internal(events).to_numpy()]
+    allocs = list(zip(forward["op"].astype(str), forward["size_bytes"].astype(int),
+                      forward["category"].astype(str)))
+    return allocs, _live(events.iloc[:end_of_forward]), events.iloc[:end_of_forward]
 
 
 def test_views_and_inplace_ops_in_a_models_forward_add_no_bytes():
-    plain = _forward_allocs(ops=False)
-    with_ops = _forward_allocs(ops=True)
+    plain, plain_live, _ = _forward(ops=False)
+    with_ops, with_ops_live, forward_events = _forward(ops=True)
     # the model, its buffer and the batch (made before the session: registered when first
     # used), the Linear's output, the loss and backward's seed gradient
     expected_bytes = [32 * 32 * FLOAT, 32 * FLOAT, 64 * 32 * FLOAT, 64 * 32 * FLOAT,
                       64 * 32 * FLOAT, FLOAT, FLOAT]
     assert [size for _, size, _ in plain] == expected_bytes
     assert [(op, size) for op, size, _ in with_ops] == [(op, size) for op, size, _ in plain]
+    # relu_ saves its output for backward: the Linear's output stays alive; without the
+    # ops nothing saves it (sum's backward needs no input) and it dies in forward
+    assert with_ops_live == sum(expected_bytes)
+    assert plain_live == sum(expected_bytes) - 64 * 32 * FLOAT
+    _assert_internal_blocks_are_transient_scalars(forward_events)
     categories = [category for _, _, category in with_ops]
     assert categories[:3] == ["parameter", "parameter", "buffer"]
 
@@ -147,7 +182,9 @@ def test_manual_parameter_update_in_place_adds_nothing():
             torch._foreach_mul_(list(model.parameters()), 0.99)
         stop = session.recorder.now_seq()
     events = _events(session)
-    assert stop == start, _allocs(events, start, stop)
+    assert _allocs(events, start, stop) == []
+    _assert_internal_blocks_are_transient_scalars(events, start, stop)
+    assert _live(events.iloc[start:stop]) == 0
 
 
 def test_out_into_a_too_small_tensor_counts_the_growth():

@@ -126,3 +126,24 @@ def test_increase_forms():
     assert result.passed and result.limit_bytes == 1050
     result = regression_check({"peak_bytes": 1051}, {"peak_bytes": 1000}, Increase(ratio=0.05))
     assert not result.passed
+
+
+def test_a_run_without_a_complete_step_is_bad_input(capsys, tmp_path):
+    from memadvisor.report.synthetic import make_trace
+
+    path = make_trace(tmp_path / "zero.trace", 100, steps=0)
+    code, out, err = run(capsys, str(path), "--budget", "1GiB")
+    assert code == 2  # passing it would let a run that crashed at once through the gate
+    assert "completed no training step" in err
+
+
+def test_a_run_that_failed_later_is_judged_on_its_last_complete_step(capsys, tmp_path, traces,
+                                                                     peaks):
+    from memadvisor.trace.io import write_trace
+
+    trace = read_trace(traces["base"])
+    trace.meta.status, trace.meta.error = "error", "CUDA out of memory"
+    path = write_trace(tmp_path / "failed.trace", trace.events, trace.meta)
+    code, out, _ = run(capsys, str(path), "--budget", str(peaks["base"]))
+    assert code == 0
+    assert out.strip().endswith("(the run ended with status error)")

@@ -51,9 +51,9 @@ def page(traces):
 
 def test_user_strings_appear_only_escaped(page):
     assert HOSTILE_MODULE not in page
-    assert "<img src=x" not in page
+    assert "<img src=x" not in page and HOSTILE_FILE not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # the sites table's module cell
-    assert "&lt;img src=x onerror=alert(2)&gt;.py" in page
+    assert "&lt;img src=x onerror=alert(2)&gt;.py" in page  # its source file
     # inside the figures' JSON no '<' is left raw: the module is there, escaped twice
     script = page[page.index("var report="):]
     assert "<" not in script[:script.index("</script>")]

@@ -1,0 +1,83 @@
+"""Data-parallel and sharded plans on 2 and 4 CPU ranks (gloo), run by torchrun.
+
+Each rank runs every rewritten script in turn (``dist_jobs.py``): two process launches in
+all.  A plan on W ranks with accum=K splits the batch into W*K equal parts, exactly as
+accum=W*K does in one process, so besides the unmodified run every result is also held to
+that single-process equivalent -- which is what makes the CNN (BatchNorm: statistics per
+part) checkable exactly.
+"""
+import re
+
+import pytest
+
+from apply_runs import (
+    EXAMPLE_ARGS, EXAMPLES, relative_error, run_applied, run_distributed, run_original,
+)
+
+TWO_RANKS = [
+    "shard=ddp,world=2", "shard=zero1,world=2", "shard=zero2,world=2", "shard=zero3,world=2",
+    "shard=ddp,world=2,accum=2", "shard=zero3,world=2,accum=2,checkpoint=auto",
+    "shard=zero2,world=2,precision=bf16", "shard=ddp,world=2,precision=amp-bf16",
+    "shard=zero3,world=2,optimizer=sgd-momentum", "shard=zero1,world=2,optimizer=adafactor",
+]
+FOUR_RANKS = ["shard=zero3,world=4,hybrid=2", "shard=zero1,world=4,hybrid=2",
+              "shard=zero2,world=4,hybrid=2,accum=2,checkpoint=auto"]
+EXACT, PRECISION_TOLERANCE, BATCH_NORM_SPLIT_TOLERANCE = 1e-5, 1e-2, 5e-2
+
+
+def single_process_equivalent(plan: str) -> str:
+    """The same split of the batch in one process: world=W,accum=K -> accum=W*K."""
+    world = int(re.search(r"world=(\d+)", plan).group(1))
+    match = re.search(r"accum=(\d+)", plan)
+    accum = int(match.group(1)) if match else 1
+    rest = [item for item in plan.split(",")
+            if not item.startswith(("shard=", "world=", "hybrid=", "accum="))]
+    return ",".join([f"accum={world * accum}", *rest])
+
+
+def check(results, plans, folder):
+    baselines = {name: run_original(EXAMPLES / name, args) for name, args in EXAMPLE_ARGS.items()}
+    errors = {}
+    for (name, plan), params in results.items():
+        equivalent = single_process_equivalent(plan)
+        single = run_applied(EXAMPLES / name, equivalent, EXAMPLE_ARGS[name], folder)
+        to_single = relative_error(params, single)
+        to_original = relative_error(params, baselines[name])
+        errors[name, plan] = (to_original, to_single)
+        # the batch split is the one the single-process equivalent makes
+        limit = PRECISION_TOLERANCE if "precision=" in plan else EXACT
+        assert to_single <= limit, (name, plan, equivalent, to_single)
+        if "optimizer=" in plan:
+            continue  # a different optimizer: only the equivalent applies
+        if name == "cnn_classifier.py":
+            limit = BATCH_NORM_SPLIT_TOLERANCE
+        elif "precision=" in plan:
+            limit = PRECISION_TOLERANCE
+        else:
+            limit = EXACT
+        assert to_original <= limit, (name, plan, to_original)
+    return errors
+
+
+def run_all(plans, nproc, folder):
+    jobs = [(EXAMPLES / name, plan, args) for name, args in EXAMPLE_ARGS.items() for plan in plans]
+    params = run_distributed(jobs, nproc, folder)
+    return {(script.name, plan): p for (script, plan, _), p in zip(jobs, params)}
+
+
+def test_single_process_equivalent():
+    assert single_process_equivalent("shard=zero3,world=2,accum=2,checkpoint=auto") == \
+        "accum=4,checkpoint=auto"
+    assert single_process_equivalent("shard=zero1,world=4,hybrid=2") == "accum=4"
+
+
+@pytest.mark.slow
+def test_two_ranks(tmp_path):
+    errors = check(run_all(TWO_RANKS, 2, tmp_path), TWO_RANKS, tmp_path)
+    assert len(errors) == len(TWO_RANKS) * len(EXAMPLE_ARGS)
+
+
+@pytest.mark.slow
+def test_four_ranks_hybrid(tmp_path):
+    errors = check(run_all(FOUR_RANKS, 4, tmp_path), FOUR_RANKS, tmp_path)
+    assert len(errors) == len(FOUR_RANKS) * len(EXAMPLE_ARGS)

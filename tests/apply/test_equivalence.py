@@ -1,0 +1,108 @@
+"""Every knob that runs on CPU, on every bundled example, in one process: the rewritten
+script runs to the end, and its final parameters are the unmodified run's.
+
+Tolerances (relative error of all parameters as one vector, see ``relative_error``):
+math-preserving plans 1e-5 (measured: 0 for checkpointing, <2e-7 for accumulation);
+amp-bf16 and bf16 1e-2 after 3 steps (measured 5e-4 to 4.5e-3).  The CNN has BatchNorm,
+whose batch statistics change when the batch is split, so its split plans are held to
+5e-2 (measured 9e-3 / 1.6e-2) and the distributed test checks them against their exact
+single-process equivalent instead.
+"""
+import warnings
+
+import pytest
+import torch
+
+from apply_runs import EXAMPLE_ARGS, EXAMPLES, relative_error, run_applied, run_original
+from memadvisor.errors import UserError
+
+MATH_PRESERVING = ["none", "checkpoint=auto", "accum=2", "accum=4", "checkpoint=auto,accum=2"]
+PRECISION = ["precision=amp-bf16", "precision=bf16", "precision=amp-bf16,checkpoint=auto,accum=2"]
+OPTIMIZER_SWAPS = ["optimizer=sgd", "optimizer=sgd-momentum", "optimizer=adafactor",
+                   "optimizer=sgd-momentum,precision=bf16,accum=2"]
+EXACT, PRECISION_TOLERANCE, BATCH_NORM_SPLIT_TOLERANCE = 1e-5, 1e-2, 5e-2
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    return {name: run_original(EXAMPLES / name, args) for name, args in EXAMPLE_ARGS.items()}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("applied")
+
+
+def splits_batch(plan):
+    return "accum=" in plan or "world=" in plan
+
+
+@pytest.mark.parametrize("name", list(EXAMPLE_ARGS))
+def test_math_preserving_plans_equal_the_unmodified_run(name, baselines, workdir):
+    errors = {}
+    for plan in MATH_PRESERVING:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            params = run_applied(EXAMPLES / name, plan, EXAMPLE_ARGS[name], workdir)
+        errors[plan] = relative_error(params, baselines[name])
+        batch_norm_warning = any("BatchNorm" in str(w.message) for w in caught)
+        assert batch_norm_warning == (name == "cnn_classifier.py" and splits_batch(plan))
+    for plan, error in errors.items():
+        limit = (BATCH_NORM_SPLIT_TOLERANCE if name == "cnn_classifier.py" and splits_batch(plan)
+                 else EXACT)
+        assert error <= limit, (plan, errors)
+    assert errors["none"] == 0.0 and errors["checkpoint=auto"] == 0.0
+
+
+@pytest.mark.parametrize("name", list(EXAMPLE_ARGS))
+def test_precision_plans_are_close(name, baselines, workdir):
+    for plan in PRECISION:
+        params = run_applied(EXAMPLES / name, plan, EXAMPLE_ARGS[name], workdir)
+        error = relative_error(params, baselines[name])
+        limit = BATCH_NORM_SPLIT_TOLERANCE if name == "cnn_classifier.py" and splits_batch(
+            plan) else PRECISION_TOLERANCE
+        assert 0 < error <= limit, (plan, error)
+        # bf16 stores the parameters in bfloat16; amp keeps fp32 master weights
+        expected = torch.bfloat16 if plan.startswith("precision=bf16") else torch.float32
+        assert all(p.dtype == expected for p in params), plan
+
+
+@pytest.mark.parametrize("name", list(EXAMPLE_ARGS))
+def test_optimizer_swaps_run_and_train(name, baselines, workdir):
+    for plan in OPTIMIZER_SWAPS:
+        params = run_applied(EXAMPLES / name, plan, EXAMPLE_ARGS[name], workdir)
+        assert all(torch.isfinite(p.float()).all() for p in params), plan
+        # a different optimizer: the parameters moved, and not the way the original's did
+        assert relative_error(params, baselines[name]) > 1e-4, plan
+
+
+def test_swapped_optimizer_is_the_planned_class(tmp_path):
+    from memadvisor.apply import runtime
+    from memadvisor.apply.launch import run_script
+    from apply_runs import rewrite_to
+
+    seen = {}
+    for plan, expected in [("optimizer=sgd", (torch.optim.SGD, 0.0)),
+                           ("optimizer=sgd-momentum", (torch.optim.SGD, 0.9)),
+                           ("optimizer=adafactor", (torch.optim.Adafactor, None)),
+                           ("none", (torch.optim.Adam, None))]:
+        rewritten = rewrite_to(EXAMPLES / "mlp_regressor.py", plan, tmp_path)
+        run_script(rewritten, ["--steps", "1", "--log-every", "100"])
+        optimizer = runtime.current_session().optimizer
+        group = optimizer.param_groups[0]
+        seen[plan] = (type(optimizer), group.get("momentum"))
+        assert group["lr"] == 1e-3  # the script's learning rate carries over
+        runtime.finish()
+        assert seen[plan] == expected
+
+
+def test_adam8bit_without_bitsandbytes_is_refused(tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import bitsandbytes  # noqa: F401
+        pytest.skip("bitsandbytes is installed")
+    except ImportError:
+        pass
+    with pytest.raises(UserError, match="optimizer=adam8bit needs bitsandbytes"):
+        run_applied(EXAMPLES / "mlp_regressor.py", "optimizer=adam8bit",
+                    ["--steps", "1"], tmp_path)
