@@ -196,10 +196,6 @@ def test_manual_sgd_counts_backward_passes(runs):
     assert int(signed[events["category"].astype(str) == "parameter"].sum()) == expected
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "session.py _snapshot_model() counts parameters of root nn.Modules only: a script "
-    "training plain requires_grad tensors gets meta.parameter_bytes == 0 although the "
-    "trace marks those tensors 'parameter' (summary prints 'parameters 0 B')"))
 def test_manual_sgd_metadata_counts_its_trainable_tensors(runs):
     trace = runs["manual_sgd"].trace()
     assert trace.meta.parameter_bytes == 4 * (16 * 32 + 32 + 32 + 1)
