@@ -1,12 +1,13 @@
 """What profiling costs per training step: memadvisor against no profiler and torch.profiler.
 
     python benchmarks/profile_overhead.py [--examples gpt_lm,cnn_classifier,mlp_regressor]
-        [--steps 8] [--warmup 2] [--rounds 2] [--check]
+        [--steps 8] [--warmup 2] [--rounds 2] [--threads N] [--json FILE] [--check]
 
-Each bundled example runs at a realistic CPU size, in this one process, under three
-variants: ``plain`` (nothing attached), ``memadvisor`` (a ``ProfileSession``, as
-``memadvisor profile`` runs it) and ``torch.profiler`` (``profile_memory=True,
-with_stack=True``, the closest built-in tool).  Every variant runs the example's own
+Each bundled example runs at a realistic CPU size, in this one process, under each
+variant: ``plain`` (nothing attached), ``memadvisor`` (a ``ProfileSession``, as
+``memadvisor profile`` runs it), ``memadvisor-no-native`` (the same without the native CPU
+allocator hook, where the session has that switch) and ``torch.profiler``
+(``profile_memory=True, with_stack=True``, the closest built-in tool).  Every variant runs the example's own
 ``main()`` with the same arguments and seed, and the variants take turns (``--rounds``
 times) so that a machine getting busier or quieter affects them alike.
 
@@ -27,7 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import io
+import json
+import os
 import statistics
 import sys
 import time
@@ -47,7 +51,6 @@ EXAMPLE_ARGS = {
     "mlp_regressor": ["--in-features", "512", "--hidden", "1024", "--depth", "4",
                       "--batch-size", "256"],
 }
-VARIANTS = ("plain", "memadvisor", "torch.profiler")
 GPT_TARGET_RATIO = 1.3
 
 
@@ -87,13 +90,15 @@ class StepClock:
 def _variant(name: str, info: dict):
     if name == "plain":
         yield
-    elif name == "memadvisor":
+    elif name in ("memadvisor", "memadvisor-no-native"):
         from memadvisor.profile import ProfileSession
 
-        session = ProfileSession()  # no step limit: the example runs all its steps
+        kwargs = {"native_hook": False} if name == "memadvisor-no-native" else {}
+        session = ProfileSession(**kwargs)  # no step limit: the example runs all its steps
         with session:
             yield
         info["events"] = len(session.recorder.rows)
+        info["native_hook"] = getattr(session, "native_status", "n/a")
     elif name == "torch.profiler":
         from torch.profiler import ProfilerActivity, profile
 
@@ -104,50 +109,91 @@ def _variant(name: str, info: dict):
         raise ValueError(name)
 
 
+def _variants() -> tuple[str, ...]:
+    from memadvisor.profile import ProfileSession
+
+    native_switch = "native_hook" in inspect.signature(ProfileSession).parameters
+    return ("plain", "memadvisor", *(["memadvisor-no-native"] if native_switch else []),
+            "torch.profiler")
+
+
 def time_variant(example, args: list[str], variant: str, steps: int, warmup: int) -> dict:
     info: dict = {}
     argv = [*args, "--steps", str(warmup + steps), "--log-every", "1000000", "--seed", "0"]
     with StepClock() as clock, contextlib.redirect_stdout(io.StringIO()):
         with _variant(variant, info):
             example.main(argv)
-    info["step_times_s"] = clock.step_times_s(warmup)
-    info["step_cpu_s"] = clock.step_times_s(warmup, clock=1)
+    info["wall_s"] = clock.step_times_s(warmup)
+    info["cpu_s"] = clock.step_times_s(warmup, clock=1)
     return info
 
 
 def measure(name: str, steps: int, warmup: int, rounds: int) -> dict:
+    """Median wall and CPU ms per step of every variant, the variants taking turns."""
     example = load_example(name)
-    wall = {variant: [] for variant in VARIANTS}
-    cpu = {variant: [] for variant in VARIANTS}
-    events = 0
+    variants = _variants()
+    # one untimed run first: the process's first steps pay for page faults, oneDNN
+    # primitive creation and lazy imports that no variant should be charged for
+    time_variant(example, EXAMPLE_ARGS[name], "plain", 1, warmup)
+    wall = {variant: [] for variant in variants}
+    cpu = {variant: [] for variant in variants}
+    row = {"example": name, "events_per_step": 0.0, "native_hook": "n/a"}
     for _ in range(rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             info = time_variant(example, EXAMPLE_ARGS[name], variant, steps, warmup)
-            wall[variant].extend(info["step_times_s"])
-            cpu[variant].extend(info["step_cpu_s"])
-            events = info.get("events", events)
-    median_ms = {v: 1000 * statistics.median(t) for v, t in wall.items()}
-    cpu_ms = {v: 1000 * statistics.median(t) for v, t in cpu.items()}
-    return {
-        "example": name,
-        "median_ms": median_ms,
-        "median_cpu_ms": cpu_ms,
-        "memadvisor_ratio": median_ms["memadvisor"] / median_ms["plain"],
-        "torch_profiler_ratio": median_ms["torch.profiler"] / median_ms["plain"],
-        "memadvisor_cpu_ratio": cpu_ms["memadvisor"] / cpu_ms["plain"],
-        "torch_profiler_cpu_ratio": cpu_ms["torch.profiler"] / cpu_ms["plain"],
-        "steps_timed": {v: len(t) for v, t in wall.items()},
-        "memadvisor_events_per_step": events / (warmup + steps),
-    }
+            wall[variant].extend(info["wall_s"])
+            cpu[variant].extend(info["cpu_s"])
+            if variant == "memadvisor":
+                row["events_per_step"] = info["events"] / (warmup + steps)
+                row["native_hook"] = info["native_hook"]
+    row["wall_ms"] = {v: 1000 * statistics.median(t) for v, t in wall.items()}
+    row["cpu_ms"] = {v: 1000 * statistics.median(t) for v, t in cpu.items()}
+    for clock in ("wall", "cpu"):
+        row[f"{clock}_ratio"] = {v: row[f"{clock}_ms"][v] / row[f"{clock}_ms"]["plain"]
+                                 for v in variants}
+    row["steps_timed"] = {v: len(t) for v, t in wall.items()}
+    return row
 
 
 def verdict(row: dict) -> str:
+    ratio = row["wall_ratio"]
     problems = []
-    if row["example"] == "gpt_lm" and row["memadvisor_ratio"] > GPT_TARGET_RATIO:
+    if row["example"] == "gpt_lm" and ratio["memadvisor"] > GPT_TARGET_RATIO:
         problems.append(f"memadvisor > {GPT_TARGET_RATIO}x")
-    if row["memadvisor_ratio"] >= row["torch_profiler_ratio"]:
+    if ratio["memadvisor"] >= ratio["torch.profiler"]:
         problems.append("not below torch.profiler")
     return "MISSED: " + ", ".join(problems) if problems else "ok"
+
+
+SHORT = {"plain": "plain", "memadvisor": "memadv", "memadvisor-no-native": "ma-nonat",
+         "torch.profiler": "torch.prof"}
+
+
+def print_table(rows: list[dict]) -> None:
+    variants = list(rows[0]["wall_ms"])
+    profiled = [v for v in variants if v != "plain"]
+    head = f"{'example':<15}" + "".join(f"{SHORT[v]:>11}" for v in variants)
+    head += "".join(f"{SHORT[v] + '/pl':>14}" for v in profiled)
+    head += f"{'events/step':>12}  verdict"
+    print("\nwall time, median ms per step, and ratios to plain")
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        line = f"{row['example']:<15}" + "".join(f"{row['wall_ms'][v]:>11.1f}"
+                                                 for v in variants)
+        line += "".join(f"{row['wall_ratio'][v]:>13.2f}x" for v in profiled)
+        line += f"{row['events_per_step']:>12.0f}  {verdict(row)}"
+        print(line)
+    print("\nCPU time of this process, median ms per step, and ratios to plain "
+          "(less disturbed by other programs)")
+    print(head.replace("  verdict", "").replace("events/step", "").rstrip())
+    for row in rows:
+        line = f"{row['example']:<15}" + "".join(f"{row['cpu_ms'][v]:>11.1f}"
+                                                 for v in variants)
+        line += "".join(f"{row['cpu_ratio'][v]:>13.2f}x" for v in profiled)
+        print(line)
+    hooks = {row["example"]: row["native_hook"] for row in rows}
+    print(f"\nmemadvisor's native allocator hook: {hooks}")
 
 
 def main(argv=None) -> int:
@@ -160,6 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice); 1 is steadier "
                              "on a machine other work is using")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
@@ -167,28 +214,20 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in EXAMPLE_ARGS]
     if unknown:
         parser.error(f"unknown examples: {', '.join(unknown)}")
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{args.steps} timed steps after {args.warmup} warm-up, x{args.rounds} rounds; "
-          "median ms per step")
-    header = (f"{'example':<15} {'plain':>8} {'memadv.':>8} {'torch.p':>8} "
-              f"{'ma/plain':>9} {'tp/plain':>9} {'cpu ma/pl':>10} {'cpu tp/pl':>10} "
-              f"{'events/step':>12}  verdict")
-    print(header)
-    print("-" * len(header))
-    missed = False
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs; {args.steps} timed steps after {args.warmup} warm-up, "
+          f"x{args.rounds} rounds per variant")
+    rows = []
     for name in names:
-        row = measure(name, args.steps, args.warmup, args.rounds)
-        ms = row["median_ms"]
-        result = verdict(row)
-        missed |= result != "ok"
-        print(f"{name:<15} {ms['plain']:>8.1f} {ms['memadvisor']:>8.1f} "
-              f"{ms['torch.profiler']:>8.1f} {row['memadvisor_ratio']:>8.2f}x "
-              f"{row['torch_profiler_ratio']:>8.2f}x {row['memadvisor_cpu_ratio']:>9.2f}x "
-              f"{row['torch_profiler_cpu_ratio']:>9.2f}x "
-              f"{row['memadvisor_events_per_step']:>12.0f}  {result}", flush=True)
+        started = time.perf_counter()
+        rows.append(measure(name, args.steps, args.warmup, args.rounds))
+        print(f"  measured {name} in {time.perf_counter() - started:.0f} s", flush=True)
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    missed = any(verdict(row) != "ok" for row in rows)
     return 1 if (missed and args.check) else 0
 
 

@@ -159,16 +159,33 @@ class _FlopCounter:
         except ImportError:  # pragma: no cover - very old torch
             flop_registry = {}
         self._registry = {getattr(k, "_overloadpacket", k): v for k, v in flop_registry.items()}
+        self._cache: dict[tuple, int] = {}
 
     def flops(self, func, args, kwargs, out) -> int:
         formula = self._registry.get(func._overloadpacket)
         if formula is None:
             return 0
+        # the formulas depend on shapes and flags only; they are slow (pytree), so cache
+        try:
+            key = (func, _shape_key(args), _shape_key(tuple(kwargs.items())))
+            cached = self._cache.get(key)
+        except TypeError:  # something unhashable in the arguments
+            key, cached = None, None
+        if cached is not None:
+            return cached
         try:
             # the registry's functions take tensors and read their shapes themselves
-            return int(formula(*args, **kwargs, out_val=out))
+            flops = int(formula(*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not fit this overload: no estimate
-            return 0
+            flops = 0
+        if key is not None:
+            self._cache[key] = flops
+        return flops
+
+
+def _shape_key(values) -> tuple:
+    return tuple(tuple(v.shape) if isinstance(v, _Tensor) else
+                 _shape_key(v) if isinstance(v, (list, tuple)) else v for v in values)
 
 
 def _op_name(func) -> str:

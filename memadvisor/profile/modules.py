@@ -51,6 +51,7 @@ class ModuleTracker:
         self._forward_stack: list[str] = []
         self._backward_stack: list[str] = []
         self._handles = []
+        self._grad_hooks: list = []
 
     # --- naming ------------------------------------------------------------------------
     def name_of(self, module: torch.nn.Module) -> str:
@@ -89,6 +90,8 @@ class ModuleTracker:
 
     def _pre_forward(self, module, args):
         if not self._forward_stack and torch._C._current_graph_task_id() == -1:
+            if self._grad_hooks and not torch.is_grad_enabled():
+                self.remove_grad_hooks()  # an evaluation forward: no backward will come
             self._on_root_forward(module, args)
         name = self.name_of(module)
         self._forward_stack.append(name)
@@ -96,7 +99,8 @@ class ModuleTracker:
         if torch._C._current_graph_task_id() == -1:
             inputs = _grad_tensors(args)
             if inputs:
-                register_multi_grad_hook(inputs, self._make_backward_exit(name))
+                self._grad_hooks.append(
+                    register_multi_grad_hook(inputs, self._make_backward_exit(name)))
 
     def _post_forward(self, module, args, output):
         if self._forward_stack:
@@ -105,8 +109,8 @@ class ModuleTracker:
         if torch._C._current_graph_task_id() == -1:
             outputs = _grad_tensors(output)
             if outputs:
-                register_multi_grad_hook(outputs, self._make_backward_enter(self.name_of(module)),
-                                         mode="any")
+                self._grad_hooks.append(register_multi_grad_hook(
+                    outputs, self._make_backward_enter(self.name_of(module)), mode="any"))
 
     def _make_backward_enter(self, name: str):
         def enter(*_):
@@ -127,4 +131,13 @@ class ModuleTracker:
     def backward_finished(self) -> None:
         """Modules whose inputs needed no grad never see their exit hook: clear at the end."""
         self._backward_stack.clear()
+        self.remove_grad_hooks()
         self._on_change(self.current)
+
+    def remove_grad_hooks(self) -> None:
+        """Hooks on a leaf (a parameter passed as a module's input) would pile up step after
+        step: remove each forward's hooks once its backward is done (or a new forward
+        begins without one, as in evaluation)."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()

@@ -13,24 +13,14 @@ import warnings
 import pytest
 import torch
 
-from apply_runs import EXAMPLE_ARGS, EXAMPLES, relative_error, run_applied, run_original
+from apply_runs import EXAMPLE_ARGS, EXAMPLES, relative_error, run_applied
 from memadvisor.errors import UserError
 
 MATH_PRESERVING = ["none", "checkpoint=auto", "accum=2", "accum=4", "checkpoint=auto,accum=2"]
 PRECISION = ["precision=amp-bf16", "precision=bf16", "precision=amp-bf16,checkpoint=auto,accum=2"]
 OPTIMIZER_SWAPS = ["optimizer=sgd", "optimizer=sgd-momentum", "optimizer=adafactor",
-                   "optimizer=sgd-momentum,precision=bf16,accum=2"]
+                   "optimizer=sgd-momentum,precision=amp-bf16,accum=2"]
 EXACT, PRECISION_TOLERANCE, BATCH_NORM_SPLIT_TOLERANCE = 1e-5, 1e-2, 5e-2
-
-
-@pytest.fixture(scope="module")
-def baselines():
-    return {name: run_original(EXAMPLES / name, args) for name, args in EXAMPLE_ARGS.items()}
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("applied")
 
 
 def splits_batch(plan):
@@ -38,13 +28,13 @@ def splits_batch(plan):
 
 
 @pytest.mark.parametrize("name", list(EXAMPLE_ARGS))
-def test_math_preserving_plans_equal_the_unmodified_run(name, baselines, workdir):
+def test_math_preserving_plans_equal_the_unmodified_run(name, runs):
     errors = {}
     for plan in MATH_PRESERVING:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            params = run_applied(EXAMPLES / name, plan, EXAMPLE_ARGS[name], workdir)
-        errors[plan] = relative_error(params, baselines[name])
+            params = runs.applied(name, plan, EXAMPLE_ARGS[name])
+        errors[plan] = relative_error(params, runs.original(name, EXAMPLE_ARGS[name]))
         batch_norm_warning = any("BatchNorm" in str(w.message) for w in caught)
         assert batch_norm_warning == (name == "cnn_classifier.py" and splits_batch(plan))
     for plan, error in errors.items():
@@ -55,10 +45,10 @@ def test_math_preserving_plans_equal_the_unmodified_run(name, baselines, workdir
 
 
 @pytest.mark.parametrize("name", list(EXAMPLE_ARGS))
-def test_precision_plans_are_close(name, baselines, workdir):
+def test_precision_plans_are_close(name, runs):
     for plan in PRECISION:
-        params = run_applied(EXAMPLES / name, plan, EXAMPLE_ARGS[name], workdir)
-        error = relative_error(params, baselines[name])
+        params = runs.applied(name, plan, EXAMPLE_ARGS[name])
+        error = relative_error(params, runs.original(name, EXAMPLE_ARGS[name]))
         limit = BATCH_NORM_SPLIT_TOLERANCE if name == "cnn_classifier.py" and splits_batch(
             plan) else PRECISION_TOLERANCE
         assert 0 < error <= limit, (plan, error)
@@ -68,12 +58,12 @@ def test_precision_plans_are_close(name, baselines, workdir):
 
 
 @pytest.mark.parametrize("name", list(EXAMPLE_ARGS))
-def test_optimizer_swaps_run_and_train(name, baselines, workdir):
+def test_optimizer_swaps_run_and_train(name, runs):
     for plan in OPTIMIZER_SWAPS:
-        params = run_applied(EXAMPLES / name, plan, EXAMPLE_ARGS[name], workdir)
+        params = runs.applied(name, plan, EXAMPLE_ARGS[name])
         assert all(torch.isfinite(p.float()).all() for p in params), plan
         # a different optimizer: the parameters moved, and not the way the original's did
-        assert relative_error(params, baselines[name]) > 1e-4, plan
+        assert relative_error(params, runs.original(name, EXAMPLE_ARGS[name])) > 1e-4, plan
 
 
 def test_swapped_optimizer_is_the_planned_class(tmp_path):
