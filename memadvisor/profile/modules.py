@@ -39,6 +39,14 @@ def _grad_tensors(value) -> list[torch.Tensor]:
     return found
 
 
+def clean_path(path: str) -> str:
+    """torch.compile wraps a model in an OptimizedModule whose child is ``_orig_mod``:
+    name the user's modules as they wrote them."""
+    if "_orig_mod" not in path:
+        return path
+    return ".".join(part for part in path.split(".") if part != "_orig_mod")
+
+
 class ModuleTracker:
     """Maintains ``current`` (innermost module path) and calls back on root entry."""
 
@@ -64,6 +72,7 @@ class ModuleTracker:
         prefix = "" if not self.roots else type(module).__name__
         self.roots.append(weakref.ref(module))
         for path, sub in module.named_modules(remove_duplicate=False):
+            path = clean_path(path)
             full = ".".join(p for p in (prefix, path) if p)
             self._names.setdefault(sub, full)
         return self._names[module]

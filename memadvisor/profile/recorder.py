@@ -191,14 +191,23 @@ class EventRecorder:
         # an unmarked storage made while computing is a temporary; one made between steps
         # (logging, data not fed to a model) is 'other'.  Decided from the alloc row's phase.
         alloc_phase: dict[int, str] = {}
+        freed_in_backward: set[int] = set()
         for sid, action, phase in zip(cols[_SID], cols[_ACTION], phases):
             if action == schema.ALLOC:
                 alloc_phase[sid] = phase
+            elif phase == schema.BACKWARD:
+                freed_in_backward.add(sid)
+
         def resolve(sid: int) -> str:
             mark = marks.get(sid)
             if mark is not None:
                 return mark
-            return schema.OTHER if alloc_phase.get(sid) == schema.OTHER_PHASE else schema.TEMPORARY
+            created = alloc_phase.get(sid)
+            if created == schema.FORWARD and sid in freed_in_backward:
+                # held from forward into backward without passing through our pack hook:
+                # what a non-reentrant checkpoint (or a custom autograd.Function) keeps
+                return schema.ACTIVATION
+            return schema.OTHER if created == schema.OTHER_PHASE else schema.TEMPORARY
         cache: dict[int, str] = {}
         categories = []
         for sid in cols[_SID]:

@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 from ..trace import schema
 from . import metadata
 from .dispatch import TrackingMode, _storage, _tensors
-from .modules import ModuleTracker
+from .modules import ModuleTracker, clean_path
 from .recorder import EventRecorder
 from .source import SourceLocator
 
@@ -412,7 +412,7 @@ class ProfileSession:
 
 
 def _owner_path(prefix: str, name: str) -> str:
-    module = name.rsplit(".", 1)[0] if "." in name else ""
+    module = clean_path(name.rsplit(".", 1)[0] if "." in name else "")
     return ".".join(p for p in (prefix, module) if p)
 
 
