@@ -7,18 +7,19 @@ Each bundled example runs at a realistic CPU size, in this one process, under ea
 variant: ``plain`` (nothing attached), ``memadvisor`` (a ``ProfileSession``, as
 ``memadvisor profile`` runs it), ``memadvisor-no-native`` (the same without the native CPU
 allocator hook, where the session has that switch) and ``torch.profiler``
-(``profile_memory=True, with_stack=True``, the closest built-in tool).  Every variant runs the example's own
-``main()`` with the same arguments and seed, and the variants take turns (``--rounds``
-times) so that a machine getting busier or quieter affects them alike.
+(``profile_memory=True, with_stack=True``, the closest built-in tool).  Every variant runs
+the example's own ``main()`` with the same arguments and seed, after one untimed warm-up
+run, and the variants take turns (``--rounds`` times) so that a machine getting busier or
+quieter affects them alike.
 
 A step is timed by a global optimizer step post-hook that records ``time.perf_counter()``
 (and ``time.process_time()``): a step's time is the gap between two optimizer steps.  The
 first ``--warmup`` steps of each run are dropped; the figure is the median over the
-remaining steps of all rounds.  Columns: median wall ms per step of each variant, the wall
-ratios to plain, the same ratios in CPU time (steadier where other programs share the
-machine), and the events memadvisor recorded per step.  Work
-done when a profiler stops (torch.profiler's post-processing, memadvisor's trace building)
-is not part of any step and is not counted.
+remaining steps of all rounds.  Tables: median wall ms per step and ratios to plain; the
+same in this process's CPU time (steadier where other programs share the machine; use
+``--threads 1`` there too, as spinning OpenMP threads make both clocks erratic); the time
+to produce the result once training stops (building the trace, torch.profiler's
+post-processing), which no step includes; and the extra seconds of a whole run.
 
 The target is memadvisor <= 1.3x plain on the GPT example, and below torch.profiler's
 overhead everywhere; ``--check`` exits 1 when it is missed.
@@ -88,6 +89,9 @@ class StepClock:
 
 @contextlib.contextmanager
 def _variant(name: str, info: dict):
+    """Run the body under one variant; ``info['finish_s']`` is what producing the result
+    costs once training stops (building the trace / torch.profiler's post-processing)."""
+    info["finish_s"] = 0.0
     if name == "plain":
         yield
     elif name in ("memadvisor", "memadvisor-no-native"):
@@ -97,14 +101,24 @@ def _variant(name: str, info: dict):
         session = ProfileSession(**kwargs)  # no step limit: the example runs all its steps
         with session:
             yield
-        info["events"] = len(session.recorder.rows)
+        started = time.perf_counter()
+        table, _meta = session.build()
+        info["finish_s"] = time.perf_counter() - started
+        info["events"] = table.num_rows
         info["native_hook"] = getattr(session, "native_status", "n/a")
     elif name == "torch.profiler":
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                     with_stack=True):
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                       with_stack=True)
+        prof.__enter__()
+        try:
             yield
+        finally:
+            started = time.perf_counter()
+            prof.__exit__(None, None, None)
+            prof.events()  # the event list a user of the profile reads
+            info["finish_s"] = time.perf_counter() - started
     else:
         raise ValueError(name)
 
@@ -137,12 +151,14 @@ def measure(name: str, steps: int, warmup: int, rounds: int) -> dict:
     time_variant(example, EXAMPLE_ARGS[name], "plain", 1, warmup)
     wall = {variant: [] for variant in variants}
     cpu = {variant: [] for variant in variants}
+    finish = {variant: [] for variant in variants}
     row = {"example": name, "events_per_step": 0.0, "native_hook": "n/a"}
     for _ in range(rounds):
         for variant in variants:
             info = time_variant(example, EXAMPLE_ARGS[name], variant, steps, warmup)
             wall[variant].extend(info["wall_s"])
             cpu[variant].extend(info["cpu_s"])
+            finish[variant].append(info["finish_s"])
             if variant == "memadvisor":
                 row["events_per_step"] = info["events"] / (warmup + steps)
                 row["native_hook"] = info["native_hook"]
@@ -151,7 +167,9 @@ def measure(name: str, steps: int, warmup: int, rounds: int) -> dict:
     for clock in ("wall", "cpu"):
         row[f"{clock}_ratio"] = {v: row[f"{clock}_ms"][v] / row[f"{clock}_ms"]["plain"]
                                  for v in variants}
+    row["finish_s"] = {v: statistics.median(t) for v, t in finish.items()}
     row["steps_timed"] = {v: len(t) for v, t in wall.items()}
+    row["steps_per_run"] = warmup + steps
     return row
 
 
@@ -192,6 +210,20 @@ def print_table(rows: list[dict]) -> None:
                                                  for v in variants)
         line += "".join(f"{row['cpu_ratio'][v]:>13.2f}x" for v in profiled)
         print(line)
+    print("\nproducing the result once training stops, median s (memadvisor: building the "
+          "trace table; torch.profiler: stopping and listing its events)")
+    print(f"{'example':<15}" + "".join(f"{SHORT[v]:>11}" for v in profiled))
+    for row in rows:
+        print(f"{row['example']:<15}" + "".join(f"{row['finish_s'][v]:>11.2f}"
+                                                for v in profiled))
+    steps = rows[0]["steps_per_run"]
+    print(f"\nextra seconds for a whole run of {steps} steps (CPU-time overhead per step x "
+          f"{steps} + producing the result)")
+    print(f"{'example':<15}" + "".join(f"{SHORT[v]:>11}" for v in profiled))
+    for row in rows:
+        extra = {v: steps * (row["cpu_ms"][v] - row["cpu_ms"]["plain"]) / 1000
+                 + row["finish_s"][v] for v in profiled}
+        print(f"{row['example']:<15}" + "".join(f"{extra[v]:>11.2f}" for v in profiled))
     hooks = {row["example"]: row["native_hook"] for row in rows}
     print(f"\nmemadvisor's native allocator hook: {hooks}")
 

@@ -15,6 +15,7 @@ through memadvisor -- so the trace can be checked against them:
 from __future__ import annotations
 
 import importlib.util
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -24,6 +25,14 @@ import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Test folders are packages (so two folders may both hold a test_cli.py); their helper
+# modules (apply_runs, report_fakes, loops, ...) are imported by bare name, so put each
+# folder on sys.path as pytest's rootdir mode would without packages.
+for _folder in sorted(p for p in Path(__file__).parent.iterdir()
+                      if p.is_dir() and (p / "__init__.py").exists()):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 EXAMPLES_DIR = REPO_ROOT / "examples"
 SCRIPTS_DIR = REPO_ROOT / "tests" / "fixtures" / "scripts"
 EXAMPLE_NAMES = ("gpt_lm", "cnn_classifier", "mlp_regressor")

@@ -61,10 +61,10 @@ def memadvisor(*args: str, cwd: Path = REPO_ROOT, timeout: float = RUN_TIMEOUT_S
 
 
 def _profile(out_dir: Path, name: str, script: Path, *options: str, script_args=(),
-             cwd: Path = REPO_ROOT, output: str | None = None) -> Run:
+             cwd: Path = REPO_ROOT, output: str | None = None, quiet: bool = True) -> Run:
     trace_path = out_dir / f"{name}.trace"
-    argv = ["profile", str(script), "-o", output or str(trace_path), "--steps", "3", "-q",
-            *options]
+    argv = ["profile", str(script), "-o", output or str(trace_path), "--steps", "3",
+            *(["-q"] if quiet else []), *options]
     if script_args:
         argv += ["--", *script_args]
     started = time.perf_counter()
@@ -121,7 +121,13 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         "never_steps": lambda: _profile(out, "never_steps", SCRIPTS / "never_steps.py",
                                         "--timeout", "2"),
         "interrupted": lambda: _interrupted(out),
-        "gpt_lm": lambda: _profile(out, "gpt_lm", REPO_ROOT / "examples" / "gpt_lm.py"),
+        # the script's own --steps 2, after `--`, is not memadvisor's --steps 3
+        "script_steps": lambda: _profile(out, "script_steps",
+                                         REPO_ROOT / "examples" / "mlp_regressor.py",
+                                         script_args=["--steps", "2", "--log-every", "1"]),
+        # not quiet: its progress lines are checked
+        "gpt_lm": lambda: _profile(out, "gpt_lm", REPO_ROOT / "examples" / "gpt_lm.py",
+                                   quiet=False),
     }
     started = time.perf_counter()
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
@@ -148,6 +154,36 @@ def _one_line(stderr: str) -> str:
     return lines[0]
 
 
+def _alive_at_end(trace, category: str) -> tuple[int, int]:
+    """(bytes, storages) of ``category`` alive after the last event."""
+    events = trace.events
+    of = events[events["category"].astype(str) == category]
+    made = of[of["action"] == "alloc"].set_index("storage_id")["size_bytes"]
+    gone = set(of[of["action"] == "free"]["storage_id"])
+    alive = made[~made.index.isin(gone)]
+    return int(alive.sum()), len(alive)
+
+
+def _assert_model_state(trace, optimizer_state_per_parameter: str) -> None:
+    """Parameters, gradients and optimizer state against what the algorithm implies:
+    ``"adam"`` two moments plus a 4-byte step per tensor, ``"rmsprop"`` one average plus
+    a step, ``"none"`` nothing (plain SGD)."""
+    parameter_bytes, tensors = _alive_at_end(trace, "parameter")
+    assert parameter_bytes == trace.meta.parameter_bytes
+    expected = {"adam": 2 * parameter_bytes + 4 * tensors,
+                "rmsprop": parameter_bytes + 4 * tensors,
+                "none": 0}[optimizer_state_per_parameter]
+    assert _alive_at_end(trace, "optimizer_state")[0] == expected
+    assert trace.meta.optimizers[0]["state_bytes"] == expected
+    # every parameter has its gradient at the optimizer step, in every step
+    events = trace.events
+    signed = np.where(events["action"].astype(str) == "alloc", 1, -1) * events["size_bytes"]
+    gradient = np.cumsum(np.where(events["category"].astype(str) == "gradient", signed, 0))
+    steps = events["step"].to_numpy()
+    for step in range(trace.meta.steps_completed):
+        assert int(gradient[steps == step].max()) == parameter_bytes, step
+
+
 def _linear_bytes(*shapes: tuple[int, int]) -> int:
     """float32 bytes of Linear layers (in, out) with biases."""
     return 4 * sum(i * o + o for i, o in shapes)
@@ -161,6 +197,7 @@ def test_plain_loop(runs):
     assert trace.meta.parameter_bytes == _linear_bytes((20, 64), (64, 64), (64, 1))
     assert trace.meta.optimizers[0]["class"] == "SGD"
     assert trace.meta.script == str(SCRIPTS / "plain_loop.py")
+    _assert_model_state(trace, "none")
 
 
 def test_plain_loop_batch_is_the_models_input(runs):
@@ -179,7 +216,18 @@ def test_own_flags_reach_the_script(runs):
     # --hidden 16 got through: 784 -> 16 -> 5
     assert trace.meta.parameter_bytes == _linear_bytes((28 * 28, 16), (16, 5))
     assert trace.meta.argv[1:] == OWN_FLAGS_ARGS
+    _assert_model_state(trace, "adam")
     assert trace.meta.batch["shapes"][0] == [8, 1, 28, 28]
+
+
+def test_flags_after_the_separator_belong_to_the_script(runs):
+    run = runs["script_steps"]
+    trace = _ok(run)
+    assert trace.meta.steps_requested == 3
+    assert trace.meta.steps_completed == 2  # the script ended after its own 2 steps
+    assert "step     2 |" in run.stdout
+    assert "step     3 |" not in run.stdout
+    assert trace.meta.argv[1:] == ["--steps", "2", "--log-every", "1"]
 
 
 def test_manual_sgd_counts_backward_passes(runs):
@@ -220,6 +268,9 @@ def test_grad_accum_steps_at_the_optimizer(runs):
         assert runs_of.count("forward") == 2, (step, runs_of)
         assert runs_of.count("backward") == 2, (step, runs_of)
         assert runs_of[-1] == "optimizer", (step, runs_of)
+    # the second micro-batch accumulates into the gradients in place: never more than one
+    # set of gradients alive
+    _assert_model_state(trace, "adam")
 
 
 def test_uses_file_relative_from_another_folder(runs):
@@ -231,6 +282,7 @@ def test_uses_file_relative_from_another_folder(runs):
     assert trace.meta.cwd == str(run.cwd)
     assert trace.meta.steps_completed == 3
     assert trace.meta.parameter_bytes == _linear_bytes((10, 48), (48, 1))
+    _assert_model_state(trace, "rmsprop")
 
 
 # --- bad input --------------------------------------------------------------------------
@@ -306,6 +358,17 @@ def test_ctrl_c_keeps_an_interrupted_trace(runs):
     assert trace.meta.status == "interrupted"
     assert trace.meta.steps_completed >= 100  # it printed after its 100th step
     assert "Traceback" not in run.stderr
+
+
+def test_progress_lines_without_quiet(runs):
+    run = runs["gpt_lm"]
+    trace = _ok(run)
+    progress = [line for line in run.stderr.splitlines() if " done; live " in line]
+    assert [line.split(" done;")[0] for line in progress] == \
+        [f"memadvisor: step {k}/3" for k in (1, 2, 3)]
+    assert f"wrote {run.trace_path}" in run.stderr
+    assert f"{len(trace):,} events, 3 steps" in run.stderr
+    assert "step     1 | loss" in run.stdout  # the script's own output is untouched
 
 
 # --- summary ----------------------------------------------------------------------------

@@ -12,8 +12,8 @@ backward   the one ``<loss>.backward()`` statement              (one per script)
 step       ``<optimizer>.step()``                               (same name as the optimizer)
 forward    first statement calling the model, in the block      ``# memadvisor: forward``
            that holds the backward
-batch      names the forward..backward statements pass to       ``# memadvisor: batch``
-           calls, bound in the loop (or function) before them
+batch      variables the forward..backward statements read      ``# memadvisor: batch``
+           as data, bound in the loop (or function) before them
 =========  ==================================================  ===========================
 """
 from __future__ import annotations
@@ -31,7 +31,6 @@ TORCH_OPTIMIZERS = {
 }
 MARKER = re.compile(r"#\s*memadvisor:\s*(model|optimizer|forward|batch)\b")
 _OPTIM_CALL = re.compile(r"(^|\.)optim(izers?)?\.[A-Za-z_]\w*$")
-_SKIP_FOR_ARGS = (cst.FormattedString, cst.Comparison, cst.Lambda)
 _SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
 _LOOPS = (cst.For, cst.While)
 
@@ -56,6 +55,9 @@ class Found:
     region: list[cst.CSTNode]  #: statements from the forward through the backward
     hoisted: list[cst.CSTNode]  #: ``zero_grad`` statements inside the region
     batch: list[str]  #: names the region takes the batch from
+    #: batch names bound before the loop: the loop hands out parts under new names, or the
+    #: next pass would split the previous pass's last part
+    renames: dict[str, str] = field(default_factory=dict)
     lines: dict[str, int] = field(default_factory=dict)  #: what -> line, for the report
 
 
@@ -107,27 +109,11 @@ def bound_names(target) -> list[str]:
     return []
 
 
-def argument_names(node: cst.CSTNode) -> list[str]:
-    """Names used inside call arguments under ``node`` (not in f-strings or comparisons)."""
-    names: list[str] = []
-
-    def walk(n, in_arg):
-        if isinstance(n, _SKIP_FOR_ARGS):
-            return
-        if isinstance(n, cst.Attribute):
-            walk(n.value, in_arg)
-            return
-        if isinstance(n, cst.Arg):
-            walk(n.value, True)
-            return
-        if isinstance(n, cst.Name) and in_arg:
-            names.append(n.value)
-            return
-        for child in n.children:
-            walk(child, in_arg)
-
-    walk(node, False)
-    return list(dict.fromkeys(names))
+#: methods whose arguments say how to move or reshape a tensor, not which tensor it is
+_NON_DATA_METHODS = {"to", "cuda", "type", "view", "reshape", "expand", "repeat", "permute",
+                     "transpose", "flatten", "unsqueeze", "squeeze", "size", "new_zeros"}
+_NOT_DATA_CONTEXTS = (cst.FormattedString, cst.Comparison, cst.Lambda, cst.Param,
+                      cst.SubscriptElement)
 
 
 class _Index(cst.CSTVisitor):
@@ -190,10 +176,6 @@ class ScriptFinder:
             node = self.parents[node]
         return node
 
-    def block_of(self, statement):
-        parent = self.parents[statement]
-        return parent
-
     def enclosing(self, node, kinds):
         while node is not self.module:
             node = self.parents[node]
@@ -247,6 +229,11 @@ class ScriptFinder:
             raise NotFound("optimizer", "no `NAME = torch.optim.<Class>(...)` found" + hint +
                            "; if the optimizer is made elsewhere, end the line that assigns it "
                            "with `# memadvisor: optimizer`")
+        if len(chosen) > 1 and len({text for _, text, _ in chosen}) == 1:
+            # one optimizer chosen by a flag (if/elif/else): prepare after the whole choice
+            common = self._common_statement([statement for statement, _, _ in chosen])
+            if common is not None:
+                return common, chosen[0][1], chosen[0][2]
         if len(chosen) > 1:
             stepped = {dotted(e.value.func.value) for e in self.expression_calls("step")}
             with_step = [c for c in chosen if c[1] in stepped]
@@ -257,6 +244,19 @@ class ScriptFinder:
                                "with `# memadvisor: optimizer`")
             chosen = with_step
         return chosen[0]
+
+    def _common_statement(self, statements):
+        """The innermost statement holding all of ``statements``, if they share one."""
+        def chain(node):
+            found = []
+            while node is not self.module:
+                node = self.parents[node]
+                if isinstance(node, cst.BaseCompoundStatement):
+                    found.append(node)
+            return found
+        shared = [n for n in chain(statements[0]) if all(n in chain(s) for s in statements[1:])]
+        shared = [n for n in shared if not isinstance(n, (*_SCOPES, *_LOOPS))]
+        return shared[0] if shared else None
 
     def model(self, optimizer_statement, optimizer_value) -> str:
         for statement, target, _ in self.assignments():
@@ -383,6 +383,48 @@ class ScriptFinder:
                 hoisted.append(statement)
         return hoisted
 
+    def data_names(self, statement) -> list[str]:
+        """Variables ``statement`` reads as data, in source order: not a callee, not what
+        ``.to(device)``/``.view(n, -1)`` are given, not inside f-strings or comparisons."""
+        names = []
+        for name in collect(statement, cst.Name):
+            parent = self.parents.get(name)
+            if isinstance(parent, cst.Attribute) and parent.attr is name:
+                continue
+            if isinstance(parent, cst.Call) and parent.func is name:
+                continue
+            if isinstance(parent, cst.Arg):
+                if parent.keyword is name:
+                    continue
+                call = self.parents.get(parent)
+                if (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+                        and call.func.attr.value in _NON_DATA_METHODS):
+                    continue
+            if isinstance(parent, (cst.AssignTarget, cst.AugAssign, cst.For, cst.AsName)):
+                continue  # written, not read (targets of tuples are inside a Tuple: see below)
+            if self._in_target(name) or self._inside_any(name, statement, _NOT_DATA_CONTEXTS):
+                continue
+            names.append(name.value)
+        return list(dict.fromkeys(names))
+
+    def _in_target(self, node) -> bool:
+        while node in self.parents:
+            parent = self.parents[node]
+            if isinstance(parent, cst.AssignTarget) or (
+                    isinstance(parent, (cst.For, cst.CompFor)) and parent.target is node):
+                return True
+            if not isinstance(parent, (cst.Tuple, cst.List, cst.Element, cst.StarredElement)):
+                return False
+            node = parent
+        return False
+
+    def _inside_any(self, node, stop, kinds) -> bool:
+        while node is not stop and node in self.parents:
+            node = self.parents[node]
+            if isinstance(node, kinds):
+                return True
+        return False
+
     def batch(self, region, model: str, optimizer: str) -> list[str]:
         first = region[0]
         container = self.enclosing(first, _LOOPS + (cst.FunctionDef,))
@@ -391,17 +433,13 @@ class ScriptFinder:
                 return bound_names(target)
         bound = set(self._bound_before(container, first))
         excluded = {model.split(".")[0], optimizer.split(".")[0], "self", "cls"}
-        used = [n for s in region for n in argument_names(s)]
+        used = [n for s in region for n in self.data_names(s)]
         batch = [n for n in dict.fromkeys(used) if n in bound and n not in excluded]
         if not batch:
-            # a fixed batch made once before the loop: the names the model is called with
+            # a fixed batch made once before the loop (or passed to the function holding it)
             scope = self.enclosing(region[0], (cst.FunctionDef,))
             outer = set(self._bound_before(scope, first))
-            calls = [c for s in region for c in collect(s, cst.Call)
-                     if _same_object(dotted(c.func), model)]
-            batch = [n for c in calls for arg in c.args for n in argument_names(arg)
-                     if n in outer and n not in excluded]
-            batch = list(dict.fromkeys(batch))
+            batch = [n for n in dict.fromkeys(used) if n in outer and n not in excluded]
         if not batch:
             raise NotFound("batch", f"could not tell which variables hold the batch fed to "
                            f"`{model}` at line {self.line(first)}; end the line that assigns them "
@@ -467,10 +505,21 @@ class ScriptFinder:
                 batch = attempt("batch", self.batch, region, model, optimizer)
         if problems:
             raise ScriptNotUnderstood(self.filename, problems)
+        container = self.enclosing(region[0], _LOOPS + (cst.FunctionDef,))
+        renames = {}
+        if isinstance(container, _LOOPS):
+            fresh = set(self._bound_before(container, region[0]))
+            taken = {n.value for n in self.nodes(cst.Name)}
+            for name in batch:
+                if name not in fresh:
+                    new = f"{name}_part"
+                    while new in taken:
+                        new += "_"
+                    renames[name] = new
         return Found(
             optimizer_statement=optimizer_found[0], optimizer=optimizer, model=model,
             backward=backward, steps=steps, clips=self.clips(), block=block, region=region,
-            hoisted=self.hoistable(region, optimizer, model), batch=batch,
+            hoisted=self.hoistable(region, optimizer, model), batch=batch, renames=renames,
             lines={"model/optimizer": self.line(optimizer_found[0]),
                    "forward": self.line(region[0]), "backward": self.line(backward),
                    "step": self.line(steps[0])},

@@ -70,6 +70,9 @@ def _profile(script: Path, args: list[str], output: Path, steps: int) -> None:
     from ..profile import profile_script
     result = profile_script(script, args, output, steps=steps)
     if result.status != "completed":
+        plan_error = "PlanError: "  # the plan cannot run this batch: one line, as unprofiled
+        if plan_error in result.error:
+            raise UserError(result.error.split(plan_error, 1)[1])
         if result.traceback:
             sys.stderr.write(result.traceback)
         raise UserError(f"{script.name} {result.status} while profiled: {result.error} "
@@ -98,9 +101,9 @@ def run_script(script: Path, args: list[str]) -> None:
         raise
     except Exception as exc:
         sys.stderr.write(_script_traceback(exc))
-        last = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
-        raise UserError(f"{Path(script).name} failed: {last[-1] if last else exc!r}",
-                        exit_code=1) from None
+        lines = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
+        last = lines[-1] if lines else type(exc).__name__
+        raise UserError(f"{Path(script).name} failed: {last}", exit_code=1) from None
     finally:
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:

@@ -58,13 +58,18 @@ def needs_rebuild(plan: Plan) -> bool:
             or "optimizer" in plan.offload)
 
 
+def check_rebuildable(original: torch.optim.Optimizer, plan: Plan) -> None:
+    if needs_rebuild(plan) and any(original.state.values()):
+        raise PlanError("the optimizer already has state (was a checkpoint loaded before "
+                        "prepare?); the plan rebuilds the optimizer, so prepare must come "
+                        "before the first step and before loading optimizer state")
+
+
 def build_optimizer(original: torch.optim.Optimizer, plan: Plan, new_params: dict,
                     names_by_id: dict[int, str], shard_group=None) -> torch.optim.Optimizer:
     if not needs_rebuild(plan):
         return original
-    if any(original.state.values()):
-        raise PlanError("the optimizer already has state (was a checkpoint loaded before "
-                        "prepare?); prepare must run before the first step or state load")
+    check_rebuildable(original, plan)
     cls, defaults = optimizer_spec(original, plan)
     groups = param_groups(original, plan, new_params, names_by_id)
     if plan.shard == "zero1":

@@ -26,6 +26,7 @@ from ..plan import Plan
 from .find import Found, ScriptFinder, ScriptNotUnderstood, dotted
 
 ALIAS = "mem"
+MAX_LINE = 99  #: a longer prepare line is wrapped
 RUNTIME_MODULE = "memadvisor.apply"
 
 
@@ -66,7 +67,8 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
     except ScriptNotUnderstood as exc:
         raise RewriteError(str(exc)) from None
     alias = _free_alias(finder)
-    new_module = finder.module.visit(_Editor(found, plan, alias, _import_anchor(finder.module)))
+    new_module = finder.module.visit(
+        _Editor(found, plan, alias, _import_anchor(finder.module), finder.parents))
     return Rewrite(source, new_module.code, plan, found={
         "model": found.model, "optimizer": found.optimizer, "batch": ", ".join(found.batch),
         **{k: f"line {v}" for k, v in found.lines.items()}})
@@ -78,8 +80,10 @@ def _statement(code: str) -> cst.SimpleStatementLine:
 
 
 class _Editor(cst.CSTTransformer):
-    def __init__(self, found: Found, plan: Plan, alias: str, import_anchor):
+    def __init__(self, found: Found, plan: Plan, alias: str, import_anchor, parents):
         self.found = found
+        self.parents = parents
+        self._in_region = 0
         self.alias = alias
         self.plan_literal = _string_literal(str(plan))
         self.import_anchor = import_anchor
@@ -87,8 +91,37 @@ class _Editor(cst.CSTTransformer):
         self.clips = {id(c) for c in found.clips}
         self.region = {id(s) for s in found.region}
         self.hoisted = {id(s) for s in found.hoisted}
+        self.indents: dict = {}  #: block -> its absolute indentation
+        self._depth: list[str] = []
+
+    def visit_IndentedBlock(self, node):
+        indent = node.indent if node.indent is not None else "    "
+        self._depth.append(indent)
+        self.indents[node] = "".join(self._depth)
+        return True
 
     # small replacements --------------------------------------------------------------
+    def on_visit(self, node):
+        if id(node) in self.region:
+            self._in_region += 1
+        return super().on_visit(node)
+
+    def on_leave(self, original, updated):
+        if id(original) in self.region:
+            self._in_region -= 1
+        return super().on_leave(original, updated)
+
+    def leave_Name(self, original, updated):
+        new = self.found.renames.get(original.value) if self._in_region else None
+        if new is None:
+            return updated
+        parent = self.parents.get(original)
+        if (isinstance(parent, cst.Attribute) and parent.attr is original) or (
+                isinstance(parent, cst.Arg) and parent.keyword is original) or isinstance(
+                parent, cst.Param):
+            return updated
+        return updated.with_changes(value=new)
+
     def leave_Expr(self, original, updated):
         if original is self.found.backward:
             call = updated.value
@@ -113,7 +146,9 @@ class _Editor(cst.CSTTransformer):
 
     # statement lists ------------------------------------------------------------------
     def leave_IndentedBlock(self, original, updated):
-        return updated.with_changes(body=self._edit_body(original, updated))
+        result = updated.with_changes(body=self._edit_body(original, updated))
+        self._depth.pop()
+        return result
 
     def leave_Module(self, original, updated):
         return updated.with_changes(body=self._edit_body(original, updated))
@@ -134,14 +169,25 @@ class _Editor(cst.CSTTransformer):
             if old is self.import_anchor:
                 body.append(_statement(f"import {RUNTIME_MODULE} as {self.alias}\n"))
             if old is self.found.optimizer_statement:
-                model, optimizer = self.found.model, self.found.optimizer
-                body.append(_statement(
-                    f"{model}, {optimizer} = {self.alias}.prepare({model}, {optimizer}, "
-                    f"plan={self.plan_literal})\n"))
+                body.append(self._prepare_statement(len(self._indent_of(original))))
             index += 1
         if isinstance(original, cst.Module) and self.import_anchor is None:
             body.insert(0, _statement(f"import {RUNTIME_MODULE} as {self.alias}\n"))
         return body
+
+    def _prepare_statement(self, indent: int) -> cst.SimpleStatementLine:
+        model, optimizer = self.found.model, self.found.optimizer
+        call = f"{self.alias}.prepare({model}, {optimizer}, plan={self.plan_literal})"
+        line = f"{model}, {optimizer} = {call}\n"
+        if indent + len(line) > MAX_LINE:  # the way black would wrap it
+            line = (f"{model}, {optimizer} = {self.alias}.prepare(\n"
+                    f"    {model}, {optimizer}, plan={self.plan_literal}\n)\n")
+        return _statement(line)
+
+    def _indent_of(self, block) -> str:
+        if isinstance(block, cst.Module):
+            return ""
+        return self.indents.get(block, "    ")
 
     def _micro_batch_loop(self, new_statements, old_statements) -> list:
         hoisted, inside = [], []
@@ -158,8 +204,9 @@ class _Editor(cst.CSTTransformer):
         lead = inside[0].leading_lines
         inside[0] = inside[0].with_changes(leading_lines=())
         names = ", ".join(self.found.batch)
+        targets = ", ".join(self.found.renames.get(n, n) for n in self.found.batch)
         loop = cst.parse_statement(
-            f"for {names} in {self.alias}.micro_batches({names}):\n    pass\n")
+            f"for {targets} in {self.alias}.micro_batches({names}):\n    pass\n")
         loop = loop.with_changes(body=loop.body.with_changes(body=inside))
         if hoisted:
             hoisted[0] = hoisted[0].with_changes(leading_lines=lead)
@@ -189,18 +236,21 @@ def _free_alias(finder: ScriptFinder) -> str:
 
 
 def _import_anchor(module: cst.Module):
-    """The last import of the module's opening run of docstring/imports (None: insert first)."""
+    """The last import of the module's opening run of docstring/imports, else the docstring
+    (None: insert first)."""
     anchor = None
     for statement in module.body:
         if isinstance(statement, cst.SimpleStatementLine) and all(
                 isinstance(s, (cst.Import, cst.ImportFrom)) for s in statement.body):
             anchor = statement
             continue
-        if (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1
+        if (anchor is None and statement is module.body[0]
+                and isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1
                 and isinstance(statement.body[0], cst.Expr)
                 and isinstance(statement.body[0].value, (cst.SimpleString,
                                                          cst.ConcatenatedString))):
-            continue  # docstring
+            anchor = statement  # the docstring stays first
+            continue
         break
     return anchor
 

@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import gc
 import importlib.util
+import sys
 import warnings
 
 import torch
@@ -87,6 +88,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
         raise PlanError(f"the optimizer holds {len(missing)} tensors that are not parameters "
                         "of the model given to prepare")
     parameter_names = [names_by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    optimizers.check_rebuildable(optimizer, plan)
 
     if sharding.init_process_group(device_type, ranks):
         _owns_process_group = True
@@ -106,7 +108,26 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
                                                shard_group)
     _session = Session(plan, module, wrapped, new_optimizer, ranks, parameter_names,
                        precision.make_grad_scaler(plan, device_type), checkpointed)
+    if ranks.rank == 0:
+        print(f"memadvisor: {_describe(_session, device_type, blocks)}", file=sys.stderr,
+              flush=True)
     return wrapped, new_optimizer
+
+
+def _describe(session: Session, device_type: str, blocks: list[str]) -> str:
+    """One line saying what prepare did, so a run's log shows the plan it ran."""
+    plan = session.plan
+    parts = [f"plan {plan} on {device_type}"]
+    if plan.world > 1:
+        parts[0] += f" x {plan.world} ranks"
+    if session.checkpointed:
+        paths = [p or "<model>" for p in session.checkpointed]
+        shown = ", ".join(paths[:3]) + (f", ... ({len(paths)})" if len(paths) > 3 else "")
+        parts.append(f"checkpointing {shown}")
+    if plan.uses_fsdp:
+        parts.append(f"fully_shard on {len(blocks)} blocks + the root")
+    parts.append(f"optimizer {type(session.optimizer).__name__}")
+    return "; ".join(parts)
 
 
 def current_session() -> Session | None:

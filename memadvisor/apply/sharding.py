@@ -120,20 +120,20 @@ def check_world(plan: Plan, ranks: Ranks) -> None:
 
 
 def convert_batch_norm(model: nn.Module, plan: Plan, device_type: str) -> tuple[nn.Module, str]:
-    """Batch statistics are what the batch split can change.  Under data parallelism on GPUs
-    ``SyncBatchNorm`` computes them over all ranks' slices, restoring the single-process math;
-    elsewhere the caller gets a warning to print."""
+    """Batch statistics are what splitting the batch changes.  Across GPUs ``SyncBatchNorm``
+    computes them over all ranks' slices, as the single process did; what cannot be kept
+    (micro-batches, CPU ranks) comes back as a warning to print."""
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if not has_bn or (plan.world == 1 and plan.accum == 1):
+    if not has_bn:
         return model, ""
-    if plan.world > 1 and device_type == "cuda" and plan.accum == 1:
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model), ""
     why = []
-    if plan.accum > 1:
-        why.append(f"accum={plan.accum} normalises each micro-batch of the batch separately")
-    if plan.world > 1 and device_type != "cuda":
-        why.append("SyncBatchNorm needs GPUs, so each rank normalises its own slice")
+    if plan.world > 1 and device_type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif plan.world > 1:
-        why.append("each rank normalises its own micro-batches")
+        why.append("SyncBatchNorm needs GPUs, so each rank normalises its own slice")
+    if plan.accum > 1:
+        why.append(f"accum={plan.accum} normalises each micro-batch separately")
+    if not why:
+        return model, ""
     return model, ("the model has BatchNorm layers and " + "; ".join(why) +
                    ": training is close to, not equal to, the unmodified run")

@@ -45,7 +45,8 @@ class _SplitAtDoubleDash(click.Command):
 @click.option("--save-parameters", type=click.Path(path_type=Path), metavar="FILE",
               help="After the run, save the full parameters (torch.save) to compare runs.")
 @click.option("-q", "--quiet", is_flag=True, help="Do not print the diff.")
-@click.argument("launcher_args", nargs=-1, type=click.UNPROCESSED)
+@click.argument("launcher_args", nargs=-1, type=click.UNPROCESSED,
+                metavar="[TORCHRUN OPTIONS]... [-- SCRIPT ARGS...]")
 @click.pass_context
 def command(ctx, script, plan_text, output, in_place, dry_run, no_run, nproc, profile_path,
             profile_steps, save_parameters, quiet, launcher_args):

@@ -118,8 +118,8 @@ def _user_traceback(exc: BaseException) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    lines = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
-    return lines[-1] if lines else type(exc).__name__
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__
 
 
 def _warm_up_imports() -> None:

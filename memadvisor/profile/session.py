@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import _thread
+import signal
 import time
 import weakref
 from typing import Callable
@@ -179,19 +179,22 @@ class ProfileSession:
         self.recorder.phase = schema.FORWARD
 
     def _root_forward(self, module: torch.nn.Module, args: tuple) -> None:
-        self._forward_begins()
-        self._scan_module(module)
+        # the batch was made between steps (or before profiling began); a loss module's
+        # inputs (logits) were made by the forward and are not input data
         batch = []
         for tensor in _tensors(args, None):
             storage = _storage(tensor)
             if storage is None:
                 continue
+            created = self.recorder.created_phase(storage)
+            if created is None or created == schema.OTHER_PHASE:
+                batch.append((tensor, storage))
+        self._forward_begins()
+        self._scan_module(module)
+        for tensor, storage in batch:
             self._register_existing(tensor, storage)
-            # the batch was made between steps; a loss module's inputs (logits) were made
-            # by the forward and are not input data
-            if self.recorder.created_phase(storage) == schema.OTHER_PHASE:
-                self.recorder.mark(storage, schema.INPUT)
-                batch.append(tensor)
+            self.recorder.mark(storage, schema.INPUT)
+        batch = [tensor for tensor, _ in batch]
         if batch and not self._batch_root_seen:
             self._batch = {"shapes": [list(t.shape) for t in batch],
                            "dtypes": [str(t.dtype).removeprefix("torch.") for t in batch]}
@@ -323,7 +326,9 @@ class ProfileSession:
             time.sleep(0.1)
             if self.timeout_s and time.monotonic() - self._last_progress > self.timeout_s:
                 self._timed_out = True
-                _thread.interrupt_main()
+                # a signal, not interrupt_main(): it also wakes a main thread blocked in
+                # one C call (sleep, a queue, a hung collective)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
                 return
 
     @property

@@ -52,6 +52,7 @@ class AllocatorResult:
     peak_reserved_bytes: int  #: max of segment bytes (torch.cuda.max_memory_reserved)
     segments: int
     out_of_memory: bool = False
+    complete: bool = True  #: False: stopped early once reserved passed ``stop_above_bytes``
 
 
 class _Block:
@@ -89,7 +90,14 @@ class CachingAllocator:
 
     def malloc(self, size: int) -> _Block:
         rounded = round_size(size)
-        small = rounded <= SMALL_SIZE
+        return self.malloc_rounded(rounded, rounded <= SMALL_SIZE)
+
+    def fits_cached(self, rounded: int, small: bool) -> bool:
+        """Whether a request of ``rounded`` bytes would reuse a cached block (no new segment)."""
+        items = self.free_lists[small]
+        return bool(items) and items[-1][0] >= rounded
+
+    def malloc_rounded(self, rounded: int, small: bool) -> _Block:
         items = self.free_lists[small]
         index = bisect.bisect_left(items, (rounded, -1, -1))
         if index == len(items):
@@ -107,9 +115,10 @@ class CachingAllocator:
             block.next = rest
             block.size = rounded
             self.blocks[(segment, rest.offset)] = rest
-            self._insert_free(rest, small)
+            bisect.insort(items, (remaining, segment, rest.offset))
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return block
 
     def _new_segment(self, nbytes: int, small: bool):
@@ -159,21 +168,59 @@ class CachingAllocator:
 
 
 def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
-           expandable_segments: bool = False) -> AllocatorResult:
-    """Run an allocation stream (``replay.replay_events``) through the allocator model."""
+           expandable_segments: bool = False, stop_above_bytes: int = 0) -> AllocatorResult:
+    """Run an allocation stream (``replay.replay_events``) through the allocator model.
+
+    An allocation freed by the very next event (a kernel's temporary) is a query, not a
+    change: when a cached block can hold it, splitting and merging back leave the
+    allocator exactly as it was, so only its bytes count toward the allocated peak.
+    ``stop_above_bytes``: stop as soon as reserved memory exceeds it (the caller only needs
+    to know the plan does not fit); the result then has ``complete`` False."""
     if expandable_segments:
         return _expandable(signed_sizes)
     allocator = CachingAllocator(capacity_bytes)
     live: dict[int, _Block] = {}
-    for delta, row in zip(signed_sizes.tolist(), rows.tolist()):
-        if delta > 0:
-            live[row] = allocator.malloc(int(round(delta)))
-        else:
+    magnitude = np.abs(signed_sizes).round().astype(np.int64)
+    rounded = np.where(magnitude < MIN_BLOCK, MIN_BLOCK, -(-magnitude // MIN_BLOCK) * MIN_BLOCK)
+    is_alloc = signed_sizes > 0
+    # kind per event: 0 free, 1 alloc, 2 alloc freed by the next event (the free is dropped)
+    kind = is_alloc.astype(np.int8)
+    if len(rows) > 1:
+        pair = is_alloc[:-1] & ~is_alloc[1:] & (rows[:-1] == rows[1:])
+        kind[:-1][pair] = 2
+        keep = np.ones(len(rows), bool)
+        keep[1:][pair] = False
+        kind, rows, rounded = kind[keep], rows[keep], rounded[keep]
+    small_request = rounded <= SMALL_SIZE
+    free_lists = allocator.free_lists
+    complete = True
+    for what, row, size, small in zip(kind.tolist(), rows.tolist(), rounded.tolist(),
+                                      small_request.tolist()):
+        if what == 0:
             block = live.pop(row, None)
             if block is not None:
                 allocator.free(block)
+            continue
+        if what == 2:
+            items = free_lists[small]
+            if items and items[-1][0] >= size:
+                # best fit, split, free, merge: the free lists end as they began
+                if allocator.allocated + items[-1][0] > allocator.peak_allocated:
+                    block_size = items[bisect.bisect_left(items, (size, -1, -1))][0]
+                    remaining = block_size - size
+                    taken = size if ((small and remaining >= MIN_BLOCK)
+                                     or (not small and remaining > SMALL_SIZE)) else block_size
+                    if allocator.allocated + taken > allocator.peak_allocated:
+                        allocator.peak_allocated = allocator.allocated + taken
+                continue
+            allocator.free(allocator.malloc_rounded(size, small))
+        else:
+            live[row] = allocator.malloc_rounded(size, small)
+        if stop_above_bytes and allocator.reserved > stop_above_bytes:
+            complete = False
+            break
     return AllocatorResult(allocator.peak_allocated, allocator.peak_reserved,
-                           len(allocator.segment_sizes), allocator.out_of_memory)
+                           len(allocator.segment_sizes), allocator.out_of_memory, complete)
 
 
 def _expandable(signed_sizes: np.ndarray) -> AllocatorResult:

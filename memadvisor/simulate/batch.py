@@ -1,14 +1,20 @@
 """Which storages scale with the batch, and resizing a timeline to a micro-batch.
 
 Rule (from shapes, one profile): a storage made in forward or backward whose category is
-activation, temporary, input or other scales with the batch when its *first* dimension is
+activation, temporary, other or autocast weight scales with the batch when its *first*
+dimension is
 
 * the batch size ``B`` recorded in ``meta.batch['batch_size']``, or
 * ``B`` times the product of leading non-batch dimensions of a batch tensor (a (B, T)
   token batch makes (B*T, C) flattened activations), or
 * another multiple of ``B`` (B*heads, ...) in a tensor of two or more dimensions *and*
   the shape is not a parameter's shape
-  (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay).
+  (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay);
+* a kernel's raw block (dtype ``bytes``, no shape) scales when its byte size equals that of
+  a batch-scaled tensor of the same module (a convolution backward's im2col buffer).
+
+The script's input batch does not scale: ``apply`` hands each rank and micro-step a slice
+(a view) of the batch the script loaded, whose storage stays whole.
 
 Limits: with ``B == 1`` every first dimension is a multiple of B, so only the first two
 rules apply; layouts with the batch elsewhere than first (T, B, C) are not scaled; sizes
@@ -23,7 +29,7 @@ from ..trace import schema
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
 _SCALING_CATEGORIES = tuple(CATEGORY_CODE[c] for c in (
-    schema.ACTIVATION, schema.TEMPORARY, schema.INPUT, schema.OTHER, schema.AUTOCAST_WEIGHT))
+    schema.ACTIVATION, schema.TEMPORARY, schema.OTHER, schema.AUTOCAST_WEIGHT))
 _SCALING_PHASES = (PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD])
 
 
@@ -54,13 +60,27 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
         exact = np.isin(first, list(multiples))
         other = (first % size == 0) & (first > 0) & ~is_param_shape & (size > 1) & (ndim >= 2)
         by_shape = exact | other
-        flags = (by_shape[inverse]
+        raw = timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
+        flags = (by_shape[inverse] & ~raw
                  & np.isin(timeline.category, _SCALING_CATEGORIES)
-                 & (np.isin(timeline.phase, _SCALING_PHASES)
-                    | (timeline.category == CATEGORY_CODE[schema.INPUT])))
+                 & np.isin(timeline.phase, _SCALING_PHASES))
+        flags |= raw & _sized_like_batch_rows(timeline, flags) & np.isin(
+            timeline.category, _SCALING_CATEGORIES) & np.isin(timeline.phase, _SCALING_PHASES)
     out = timeline.resized(timeline.size)
     out.scales_with_batch = flags
     return out
+
+
+def _sized_like_batch_rows(timeline: Timeline, flags: np.ndarray) -> np.ndarray:
+    """Rows whose byte size equals that of a batch-scaled tensor of the same module: a
+    kernel's raw scratch block (no shape) sized like the batch it works on (a convolution
+    backward's im2col buffer), not like the weights."""
+    scaled = np.flatnonzero(flags)
+    if not len(scaled):
+        return np.zeros(len(timeline), bool)
+    width = int(timeline.size.max()) + 1
+    keys = timeline.module.astype(np.int64) * width + timeline.size.astype(np.int64)
+    return np.isin(keys, keys[scaled])
 
 
 def parameter_shapes(timeline: Timeline) -> set[str]:

@@ -39,6 +39,8 @@ class WorkProfile:
     matmul_flops: float
     module_forward_flops: dict[str, float] = field(default_factory=dict)
     measured_on: str = "cpu"
+    #: forward FLOPs per tuple of checkpointed regions (memo: advise asks per plan)
+    region_flops: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def total_flops(self) -> float:
@@ -113,6 +115,13 @@ def with_shape_flops(work: WorkProfile, per_module: dict[str, float]) -> WorkPro
 
 
 def region_forward_flops(work: WorkProfile, regions: list[str]) -> float:
+    key = tuple(regions)
+    if key not in work.region_flops:
+        work.region_flops[key] = _region_forward_flops(work, regions)
+    return work.region_flops[key]
+
+
+def _region_forward_flops(work: WorkProfile, regions: list[str]) -> float:
     total = 0.0
     for module, flops in work.module_forward_flops.items():
         if any(r == "" or module == r or module.startswith(r + ".") for r in regions):

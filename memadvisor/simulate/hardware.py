@@ -127,6 +127,8 @@ DEVICE_RULES = {
         "optimizer_foreach": False,  #: torch.optim picks the per-tensor loop off CUDA
         "dropout_mask_itemsize": 4,  #: bernoulli float mask on CPU
         "fp16_autocast": False,
+        #: gloo's all-gather / reduce-scatter copy their buffers (raw blocks seen on CPU)
+        "collective_copies": {"all_gather": 1, "reduce_scatter": 2},
     },
     "cuda": {
         "autocast_lower": _LOWER_COMMON,
@@ -134,6 +136,7 @@ DEVICE_RULES = {
         "optimizer_foreach": True,  #: foreach on CUDA tensors: step temporaries for all at once
         "dropout_mask_itemsize": 1,  #: native_dropout bool mask
         "fp16_autocast": True,
+        "collective_copies": {"all_gather": 0, "reduce_scatter": 0},  #: NCCL works in place
     },
 }
 

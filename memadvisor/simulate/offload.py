@@ -30,44 +30,62 @@ _BACKWARD = PHASE_CODE[schema.BACKWARD]
 
 
 def apply_offload(timeline: Timeline, plan: Plan) -> tuple[Timeline, dict]:
-    host: dict[str, float] = {}
     if not plan.offload:
-        return timeline, host
+        return timeline, {}
+    size, host = offload_sizes(timeline, plan)
+    out = timeline.resized(size)
+    if "activations" in plan.offload:
+        out, host["activations_peak"] = offload_activations(out)
+    return out, host
+
+
+def offload_sizes(timeline: Timeline, plan: Plan) -> tuple[np.ndarray, dict]:
+    """Device sizes of the rows once optimizer state (and with ``params`` the persistent
+    parameter and gradient shards) live on the host; the host bytes beside them."""
+    host: dict[str, float] = {}
     size = timeline.size.copy()
-    out_rows = {}
     if "optimizer" in plan.offload:
         state = timeline.category == _STATE
-        step_temps = (timeline.phase == _OPTIMIZER) & (timeline.category == _TEMPORARY)
         host["optimizer_state"] = float(size[state].sum())
-        size[state | step_temps] = 0.0
+        size[state | optimizer_step_temporaries(timeline)] = 0.0
         if "params" in plan.offload:
             # the shards (persistent rows) move; gathered copies and unsharded grads stay
-            persistent = (timeline.alloc_key < 0) & (timeline.free_key >= timeline.n_events)
-            moved = persistent & np.isin(timeline.category, (_PARAM, _GRAD))
+            moved = persistent_rows(timeline) & np.isin(timeline.category, (_PARAM, _GRAD))
             host["parameter_and_gradient_shards"] = float(size[moved].sum())
             size[moved] = 0.0
         else:
             param = timeline.category == _PARAM
             host["master_parameters_and_gradients"] = 2.0 * float(
                 timeline.size[param].sum() * (4.0 / max(_itemsize(timeline, param), 1)))
-    out = timeline.resized(size)
-    if "activations" in plan.offload:
-        saved = (timeline.category == _ACTIVATION) & (timeline.alloc_key >= 0) \
-            & (timeline.free_key < timeline.n_events) & (out.size > 0)
-        host["activations_peak"] = float(out.size[saved].sum())
-        free_key = out.free_key.copy()
-        original_free = free_key[saved].copy()
-        free_key[saved] = out.alloc_key[saved] + 0.5
-        out = out.retimed(out.alloc_key, free_key)
-        rows = np.flatnonzero(saved)
-        out_rows = {name: getattr(timeline, name)[rows] for name in (
-            "size", "category", "dtype", "module", "op", "scales_with_batch", "shape")}
-        out_rows["size"] = out.size[rows]
-        out_rows["alloc_key"] = original_free - 0.5
-        out_rows["free_key"] = original_free
-        out_rows["phase"] = np.full(len(rows), _BACKWARD, np.int8)
-        out = out.appended(out_rows)
-    return out, host
+    return size, host
+
+
+def optimizer_step_temporaries(timeline: Timeline) -> np.ndarray:
+    return (timeline.phase == _OPTIMIZER) & (timeline.category == _TEMPORARY)
+
+
+def persistent_rows(timeline: Timeline) -> np.ndarray:
+    """Rows alive across the whole analysed step (model state, mostly)."""
+    return (timeline.alloc_key < 0) & (timeline.free_key >= timeline.n_events)
+
+
+def offload_activations(out: Timeline) -> tuple[Timeline, float]:
+    """``save_on_cpu``: each saved activation leaves the device after the op that made it
+    and comes back just before its backward use.  Returns the timeline and the host peak."""
+    saved = (out.category == _ACTIVATION) & (out.alloc_key >= 0) \
+        & (out.free_key < out.n_events) & (out.size > 0)
+    host_bytes = float(out.size[saved].sum())
+    free_key = out.free_key.copy()
+    original_free = free_key[saved].copy()
+    free_key[saved] = out.alloc_key[saved] + 0.5
+    retimed = out.retimed(out.alloc_key, free_key)
+    rows = np.flatnonzero(saved)
+    out_rows = {name: getattr(out, name)[rows] for name in (
+        "size", "category", "dtype", "module", "op", "scales_with_batch", "shape")}
+    out_rows["alloc_key"] = original_free - 0.5
+    out_rows["free_key"] = original_free
+    out_rows["phase"] = np.full(len(rows), _BACKWARD, np.int8)
+    return retimed.appended(out_rows), host_bytes
 
 
 def _itemsize(timeline: Timeline, mask: np.ndarray) -> float:

@@ -27,6 +27,7 @@ as fp32).  Measured against hand-written loops in tests/simulate.
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from ..trace import schema
 from .hardware import device_rules
@@ -41,7 +42,11 @@ PASS_THROUGH = frozenset({
     "aten::contiguous", "aten::cat", "aten::split_with_sizes", "aten::_softmax",
     "aten::max_pool2d_with_indices", "aten::avg_pool2d", "aten::adaptive_avg_pool2d",
     "aten::mean", "aten::flatten", "aten::reshape", "aten::permute", "aten::copy_",
-    "aten::_reshape_alias", "aten::expand", "aten::max_pool2d"})
+    "aten::_reshape_alias", "aten::expand", "aten::max_pool2d",
+    # batch norm is on neither autocast list: it runs in its input's dtype
+    "aten::native_batch_norm", "aten::_native_batch_norm_legit",
+    "aten::_native_batch_norm_legit_functional", "aten::cudnn_batch_norm",
+    "aten::batch_norm"})
 LOW_DTYPES = {"amp-bf16": "bfloat16", "bf16": "bfloat16", "amp-fp16": "float16"}
 
 
@@ -51,19 +56,55 @@ def _backward_of(op: str, fp32_ops: frozenset) -> bool:
 
 
 def apply_precision(timeline: Timeline, precision: str, device_type: str,
-                    module_parameter_bytes: dict[str, int] | None = None) -> Timeline:
+                    module_parameter_bytes: dict[str, int] | None = None,
+                    regions: list[str] | tuple = ()) -> Timeline:
+    """``regions``: the checkpointed modules (already applied to ``timeline``)."""
     if precision == "fp32":
         return timeline
     low = LOW_DTYPES[precision]
     if precision == "bf16":
-        return _pure_bf16(timeline, device_type)
-    return _autocast(timeline, low, device_type, module_parameter_bytes or {})
+        out = _pure_bf16(timeline, device_type)
+    else:
+        out = _autocast(timeline, low, device_type, module_parameter_bytes or {}, regions)
+    return _fp32_outputs(out, len(timeline))
+
+
+def _fp32_outputs(out: Timeline, original_rows: int) -> Timeline:
+    """``apply`` runs the root forward under autocast and hands its floating outputs back in
+    fp32: each 16-bit output the script keeps past the backward (logits; rows made in
+    forward, not saved for backward) is copied to fp32 as the forward ends, and the 16-bit
+    original is freed."""
+    forward = np.flatnonzero(out.event_phase == _FORWARD)
+    backward = np.flatnonzero(out.event_phase == _BACKWARD)
+    if not len(forward) or not len(backward):
+        return out
+    forward_end, backward_end = float(forward[-1]), float(backward[-1])
+    rows = np.arange(original_rows)
+    kept = rows[(out.phase[rows] == _FORWARD) & (out.alloc_key[rows] >= 0)
+                & (out.free_key[rows] > backward_end)
+                & out.category_mask(schema.TEMPORARY, schema.OTHER)[rows]
+                & out.dtype_in(("bfloat16", "float16"))[rows]]
+    if not len(kept):
+        return out
+    fp32 = out.dtypes.index("float32") if "float32" in out.dtypes else None
+    if fp32 is None:
+        out = out.with_dtype(np.zeros(0, int), "float32")
+        fp32 = out.dtypes.index("float32")
+    original_free = out.free_key[kept].copy()
+    free_key = out.free_key.copy()
+    free_key[kept] = forward_end + 0.6
+    out = out.retimed(out.alloc_key, free_key)
+    return out.appended({
+        "size": out.size[kept] * 2.0, "alloc_key": np.full(len(kept), forward_end + 0.55),
+        "free_key": original_free, "category": out.category[kept],
+        "dtype": np.full(len(kept), fp32, np.int16), "module": np.zeros(len(kept), np.int32),
+        "phase": np.full(len(kept), _FORWARD, np.int8),
+        "scales_with_batch": out.scales_with_batch[kept], "shape": out.shape[kept]})
 
 
 def _resize_to(timeline: Timeline, rows: np.ndarray, dtype_name: str) -> Timeline:
     """Rows (bool mask) whose dtype is fp32 take ``dtype_name``, resized by the item size."""
-    names = timeline.dtype_names()
-    fp32 = rows & (names == "float32")
+    fp32 = rows & timeline.dtype_in(("float32",))
     ratio = DTYPE_BYTES[dtype_name] / 4
     size = np.where(fp32, timeline.size * ratio, timeline.size)
     return timeline.resized(size).with_dtype(np.flatnonzero(fp32), dtype_name)
@@ -79,7 +120,10 @@ def _pure_bf16(timeline: Timeline, device_type: str) -> Timeline:
     ops = _ops(timeline)
     keep_fp32 = np.array([op in fp32_ops or _backward_of(op, fp32_ops) for op in ops], bool)
     scalar = timeline.shape.astype(str) == ""
-    out = _resize_to(timeline, ~keep_fp32 & ~scalar, "bfloat16")
+    # the script's data (made between steps, fed as is) stays fp32: only the model is cast
+    data = (timeline.phase == PHASE_CODE[schema.OTHER_PHASE]) & timeline.category_mask(
+        schema.INPUT, schema.OTHER, schema.TEMPORARY, schema.ACTIVATION)
+    out = _resize_to(timeline, ~keep_fp32 & ~scalar & ~data, "bfloat16")
     island = np.flatnonzero(keep_fp32 & (timeline.phase == _FORWARD) & (timeline.size > 4))
     if len(island):
         first = island[np.argmin(timeline.alloc_key[island])]
@@ -99,48 +143,65 @@ def _pure_bf16(timeline: Timeline, device_type: str) -> Timeline:
     return out
 
 
+def _inside(path: str, regions) -> bool:
+    return any(r == "" or path == r or path.startswith(r + ".") for r in regions)
+
+
 def _autocast(timeline: Timeline, low: str, device_type: str,
-              module_parameter_bytes: dict[str, int]) -> Timeline:
+              module_parameter_bytes: dict[str, int], regions=()) -> Timeline:
     rules = device_rules(device_type)
     lower_ops, fp32_ops = rules["autocast_lower"], rules["autocast_fp32"]
-    ops = _ops(timeline)
     forward = np.flatnonzero((timeline.phase == _FORWARD) & (timeline.alloc_key >= 0))
     forward = forward[np.argsort(timeline.alloc_key[forward], kind="stable")]
     is_low = np.zeros(len(timeline), bool)
-    floating = np.isin(timeline.dtype_names(), ("float32", "float16", "bfloat16"))
+    floating = timeline.dtype_in(("float32", "float16", "bfloat16"))
+    forward = forward[floating[forward]]
+    positions, last_dims = _row_positions(timeline, forward)
+    kind_of_op = np.array([2 if op in lower_ops else 1 if op in fp32_ops else
+                           3 if op in PASS_THROUGH else 0 for op in timeline.ops] or [0], np.int8)
+    kinds = kind_of_op[timeline.op[forward]].tolist()
     previous_low = False
+    low_rows: list[bool] = []
     casts: list[tuple[int, int]] = []  #: (fp32 input row, low-precision op row)
-    recent: list[int] = []  #: floating rows made since the last low-precision op
-    for row in forward:
-        if not floating[row]:
-            continue
-        op = ops[row]
-        if op in lower_ops:
-            is_low[row] = True
-            source = _input_of(timeline, row, recent)
-            if source >= 0 and not is_low[source]:
-                casts.append((source, row))
+    recent: list[int] = []  #: indices into ``forward`` made since the last low-precision op
+    for i, kind in enumerate(kinds):
+        if kind == 2:
+            row_low = True
+            # the fp32 tensor the op most likely read: the latest row since the previous
+            # low-precision op with as many positions (all dims but the last) as the op's
+            # output and a real feature dimension (not a norm's per-position statistics)
+            for j in reversed(recent):
+                if positions[j] == positions[i] and last_dims[j] > 1:
+                    if not low_rows[j]:
+                        casts.append((int(forward[j]), int(forward[i])))
+                    break
             recent = []
-        elif op in fp32_ops:
-            is_low[row] = False
-        elif op in PASS_THROUGH:
-            is_low[row] = previous_low
-        previous_low = is_low[row]
-        recent.append(row)
+        elif kind == 1:
+            row_low = False
+        elif kind == 3:
+            row_low = previous_low
+        else:
+            row_low = False  # keeps its recorded dtype
+        low_rows.append(row_low)
+        previous_low = row_low
+        recent.append(i)
+    is_low[forward] = np.asarray(low_rows, bool)
     # backward tensors shaped like a 16-bit forward tensor of the same module
-    low_keys = {(int(m), str(s)) for m, s in zip(timeline.module[is_low], timeline.shape[is_low])}
     backward = np.flatnonzero((timeline.phase == _BACKWARD)
                               & timeline.category_mask(schema.TEMPORARY, schema.ACTIVATION))
-    for row in backward:
-        if (int(timeline.module[row]), str(timeline.shape[row])) in low_keys:
-            is_low[row] = True
+    if len(backward) and is_low.any():
+        low_now = np.flatnonzero(is_low)
+        both = np.concatenate([low_now, backward])
+        shape_code, _ = pd.factorize(timeline.shape[both])
+        keys = timeline.module[both].astype(np.int64) * (int(shape_code.max()) + 1) + shape_code
+        is_low[backward[np.isin(keys[len(low_now):], keys[:len(low_now)])]] = True
     out = _resize_to(timeline, is_low, low)
     out = _input_casts(out, timeline, casts, low)
 
     # autocast weight copies of modules that ran a low-precision op
     modules = np.asarray(timeline.modules, dtype=object)
     ran_low = set(timeline.module[is_low & (timeline.phase == _FORWARD)
-                                  & np.isin(ops, list(lower_ops))].tolist())
+                                  & timeline.op_in(lower_ops)].tolist())
     rows: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
                                               "category", "phase")}
     itemsize_ratio = DTYPE_BYTES[low] / 4
@@ -154,12 +215,18 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
         bwd = timeline.alloc_key[in_module & (timeline.phase == _BACKWARD)]
         start = float(fwd.min()) - 0.5
         end = float(bwd.max()) + 0.5 if len(bwd) else float(fwd.max()) + 0.5
-        rows["size"].append(owned * itemsize_ratio)
-        rows["alloc_key"].append(start)
-        rows["free_key"].append(end)
-        rows["module"].append(code)
-        rows["category"].append(CATEGORY_CODE[schema.AUTOCAST_WEIGHT])
-        rows["phase"].append(_FORWARD)
+        spans = [(start, end)]
+        if _inside(path, regions) and len(bwd):
+            # checkpointed: nothing saves the copy, autocast's cache dies with the forward;
+            # the recompute (the module's first backward rows) casts the weights again
+            spans = [(start, float(fwd.max()) + 0.5), (float(bwd.min()) - 1e-5, end)]
+        for first, last in spans:
+            rows["size"].append(owned * itemsize_ratio)
+            rows["alloc_key"].append(first)
+            rows["free_key"].append(last)
+            rows["module"].append(code)
+            rows["category"].append(CATEGORY_CODE[schema.AUTOCAST_WEIGHT])
+            rows["phase"].append(_FORWARD)
     if low not in out.dtypes:
         out = out.with_dtype(np.zeros(0, int), low)
     low_code = out.dtypes.index(low)
@@ -190,16 +257,13 @@ def _positions(shape: str) -> tuple[int, int]:
     return total // dims[-1], dims[-1]
 
 
-def _input_of(timeline: Timeline, row: int, recent: list[int]) -> int:
-    """The fp32 tensor a low-precision op most likely read: the latest row made since the
-    previous low-precision op with as many positions (all dims but the last) as the op's
-    output and a real feature dimension (not a norm's per-position statistics)."""
-    positions, _ = _positions(str(timeline.shape[row]))
-    for candidate in reversed(recent):
-        count, last = _positions(str(timeline.shape[candidate]))
-        if count == positions and last > 1:
-            return candidate
-    return -1
+def _row_positions(timeline: Timeline, rows: np.ndarray) -> tuple[list[int], list[int]]:
+    """(positions, last dimension) of each row's shape, parsed once per distinct shape."""
+    inverse, shapes = pd.factorize(timeline.shape[rows])
+    parsed = [_positions(str(shape)) for shape in shapes]
+    counts = np.array([p[0] for p in parsed], np.int64)
+    lasts = np.array([p[1] for p in parsed], np.int64)
+    return counts[inverse].tolist(), lasts[inverse].tolist()
 
 
 def _input_casts(out: Timeline, timeline: Timeline, casts: list[tuple[int, int]],

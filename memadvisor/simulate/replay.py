@@ -207,6 +207,15 @@ class Timeline:
     def dtype_names(self) -> np.ndarray:
         return np.asarray(self.dtypes, dtype=object)[self.dtype]
 
+    def dtype_in(self, names) -> np.ndarray:
+        """Rows whose dtype is one of ``names`` (by code: no string per row)."""
+        return np.asarray([d in names for d in self.dtypes], bool)[self.dtype] \
+            if self.dtypes else np.zeros(len(self), bool)
+
+    def op_in(self, names) -> np.ndarray:
+        return np.asarray([o in names for o in self.ops], bool)[self.op] \
+            if self.ops else np.zeros(len(self), bool)
+
     def module_names(self) -> np.ndarray:
         return np.asarray(self.modules, dtype=object)[self.module]
 

@@ -16,7 +16,7 @@ from ..errors import UserError
 from ..plan import Environment, Plan, PlanError, environment_problems
 from ..units import format_bytes
 from .hardware import Hardware
-from .simulator import Baseline, Prediction, max_micro_batch, simulate
+from .simulator import Baseline, Prediction, max_micro_batch, quick_simulate, simulate
 
 SEMANTIC = {"bf16": "bf16", "optimizer": "optimizer"}
 
@@ -90,14 +90,15 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     too_big: list[Prediction] = []
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
+    bounds: dict = {}
     for plan in plans:
         problems = environment_problems(plan, env)
         if problems:
             rejected.append((plan, problems[0]))
             continue
         try:
-            prediction = simulate(base, plan, hw, run_allocator=False, cache=cache,
-                                  categories=False)
+            prediction = quick_simulate(base, plan, hw, cache, bounds) or simulate(
+                base, plan, hw, run_allocator=False, cache=cache, categories=False)
         except PlanError as exc:
             rejected.append((plan, str(exc)))
             continue
@@ -111,14 +112,18 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
             break
         exact = hw.device_type == "cuda" and len(ranked) < exact_top
         prediction = simulate(base, prediction.plan, hw, run_allocator=exact,
-                              expandable_segments=expandable_segments, cache=cache)
+                              expandable_segments=expandable_segments, cache=cache,
+                              allocator_stop_above=usable)
         if exact and (prediction.reserved_bytes or prediction.peak_bytes) > usable:
             too_big.append(prediction)
             continue
         ranked.append(prediction)
+    # the exact pass prices offloaded activations the fast pass left out
+    ranked.sort(key=lambda p: (round(p.step_time_factor, 3), _complexity(p.plan), p.peak_bytes))
     best = {}
     for prediction in ranked[:3]:
-        best[prediction.plan.to_compact()] = max_micro_batch(base, prediction.plan, hw, usable)
+        best[prediction.plan.to_compact()] = max_micro_batch(
+            base, prediction.plan, hw, usable, cache=cache, bounds_cache=bounds)
     if not ranked:
         smallest = min(too_big, key=lambda p: p.reserved_bytes or p.peak_bytes, default=None)
         need = (f"; the smallest plan ({smallest.plan}) needs "

@@ -96,18 +96,69 @@ def _phase_span(timeline: Timeline, phase: int) -> tuple[float, float]:
 
 
 def apply_sharding(timeline: Timeline, plan: Plan, blocks: list[str],
-                   block_parameter_fraction: dict[str, float]) -> tuple[Timeline, dict]:
+                   block_parameter_fraction: dict[str, float],
+                   copies: dict | None = None) -> tuple[Timeline, dict]:
     """``block_parameter_fraction``: each block's share of all parameter bytes."""
-    notes: dict = {}
     if plan.shard == "none":
-        return timeline, notes
-    group = plan.shard_group_size
+        return timeline, {}
+    size, notes = shard_sizes(timeline, plan)
+    rows, more = shard_additions(timeline, plan.shard, blocks, block_parameter_fraction, copies)
+    notes.update(more)
+    out = timeline.resized(size)
+    if len(rows["size"]):
+        out = out.appended(rows)
+    return out, notes
+
+
+def shard_sizes(timeline: Timeline, plan: Plan) -> tuple[np.ndarray, dict]:
+    """Per-rank sizes of the existing rows: model state divided among the ``G`` ranks of a
+    shard group (``ceil(bytes / G)`` per tensor, FSDP pads), or zero1's largest state share."""
+    notes: dict = {}
     size = timeline.size.copy()
+    if plan.shard in ("none", "ddp"):
+        return size, notes
+    group = plan.shard_group_size
+    param = timeline.category == _PARAM
+    state = timeline.category == _STATE
+    if plan.shard == "zero1":
+        total = float(size[state].sum())
+        share = zero1_share(timeline, group)
+        size[state] = size[state] * share
+        notes["optimizer_share"] = share
+        notes["optimizer_state_bytes"] = (total, total * share)
+    else:
+        grad = timeline.category == _GRAD
+        size[param | grad | state] = np.ceil(size[param | grad | state] / group)
+    return size, notes
+
+
+def zero1_share(timeline: Timeline, group: int) -> float:
+    """Fraction of the optimizer state the most loaded rank owns (state per parameter is
+    proportional to the parameter's size)."""
+    params = timeline.size[timeline.category == _PARAM]
+    return greedy_max_share(params, group) / max(float(params.sum()), 1.0)
+
+
+def gradient_bytes(timeline: Timeline) -> float:
+    """Bytes of one set of gradients: those this step's backward makes (the previous step's,
+    alive until ``zero_grad``, are the same tensors once more), else any gradient rows."""
+    grad = timeline.category == _GRAD
+    made = grad & (timeline.phase == _BACKWARD) & (timeline.alloc_key >= 0)
+    return float(timeline.size[made].sum() or timeline.size[grad & (timeline.alloc_key < 0)].sum()
+                 or timeline.size[grad].sum())
+
+
+def shard_additions(timeline: Timeline, shard: str, blocks: list[str],
+                    block_parameter_fraction: dict[str, float],
+                    copies: dict | None = None) -> tuple[dict, dict]:
+    """Rows a data-parallel mode adds (DDP buckets; FSDP's gathered parameters, unsharded
+    gradients and collective buffers).  They depend on the shard mode only, not on the
+    number of ranks: sizes are unsharded bytes, keys come from the step's unit spans.
+    ``copies``: the target's ``collective_copies`` device rule."""
+    notes: dict = {}
     param = timeline.category == _PARAM
     grad = timeline.category == _GRAD
-    state = timeline.category == _STATE
-    grad_bytes_total = float(timeline.size[grad & (timeline.phase == _BACKWARD)].sum()
-                             or timeline.size[grad].sum())
+    grad_bytes_total = gradient_bytes(timeline)
     additions: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "category",
                                                   "phase")}
 
@@ -119,20 +170,10 @@ def apply_sharding(timeline: Timeline, plan: Plan, blocks: list[str],
             additions["category"].append(category)
             additions["phase"].append(phase)
 
-    if plan.shard in ("ddp", "zero1"):
+    if shard in ("ddp", "zero1"):
         add(grad_bytes_total, -1.0, float(timeline.n_events))
         notes["ddp_bucket_bytes"] = grad_bytes_total
-        if plan.shard == "zero1":
-            total = float(size[state].sum())
-            # state per parameter is proportional to the parameter's size
-            params = timeline.size[param]
-            share = greedy_max_share(params, group) / max(float(params.sum()), 1.0)
-            size[state] = size[state] * share
-            notes["optimizer_share"] = share
-            notes["optimizer_state_bytes"] = (total, total * share)
-    else:
-        shard = lambda b: np.ceil(b / group)
-        size[param | grad | state] = shard(size[param | grad | state])
+    elif shard in ("zero2", "zero3"):
         param_total = float(timeline.size[param].sum())
         forward, backward = _phase_span(timeline, _FORWARD), _phase_span(timeline, _BACKWARD)
         units = _units(timeline, blocks, {b: f * param_total
@@ -145,7 +186,7 @@ def apply_sharding(timeline: Timeline, plan: Plan, blocks: list[str],
         for index, unit in enumerate(units):
             nbytes = unit.parameter_bytes
             start = min(previous_forward_start, unit.forward[0] - 0.5)
-            if plan.shard == "zero2":
+            if shard == "zero2":
                 add(nbytes, start, unit.backward[1] + 0.5, _PARAM)
             else:
                 add(nbytes, start, unit.forward[1] + 0.5, _PARAM)
@@ -157,11 +198,41 @@ def apply_sharding(timeline: Timeline, plan: Plan, blocks: list[str],
             add(nbytes * grad_fraction, unit.backward[0] - 0.25, unit.backward[1] + 0.75,
                 _GRAD, _BACKWARD)
             previous_forward_start = unit.forward[0] - 0.5
+        _collective_buffers(add, shard, units, root_bytes, grad_fraction, forward, backward,
+                            copies or {})
         notes["units"] = [u.path for u in units] + ["(root)"]
-    out = timeline.resized(size)
-    if additions["size"]:
-        out = out.appended({k: np.asarray(v) for k, v in additions.items()})
-    return out, notes
+    rows = {"size": np.asarray(additions["size"], float),
+            "alloc_key": np.asarray(additions["alloc_key"], float),
+            "free_key": np.asarray(additions["free_key"], float),
+            "category": np.asarray(additions["category"], np.int8),
+            "phase": np.asarray(additions["phase"], np.int8)}
+    return rows, notes
+
+
+def _collective_buffers(add, shard: str, units: list[Unit], root_bytes: float,
+                        grad_fraction: float, forward: tuple, backward: tuple,
+                        copies: dict) -> None:
+    """FSDP2's flat communication buffers, as seen in its traces: each all-gather writes a
+    unit-sized output buffer (copied out into the parameters, freed when the next gather
+    comes), each reduce-scatter reads a unit-sized input buffer (the gradients copied in,
+    freed at the next reduce-scatter); a backend that copies (gloo) adds short-lived raw
+    blocks of the same size."""
+    gathers = [(root_bytes, forward[0] - 0.5)] + [
+        (u.parameter_bytes, u.forward[0] - 0.5) for u in units]
+    if shard == "zero3":
+        gathers += [(u.parameter_bytes, u.backward[0] - 0.5) for u in reversed(units)]
+    for index, (nbytes, key) in enumerate(gathers):
+        following = gathers[index + 1][1] if index + 1 < len(gathers) else forward[1]
+        add(nbytes, key + 0.05, max(following, key) + 0.3, _OTHER)
+        for copy in range(int(copies.get("all_gather", 0))):
+            add(nbytes, key + 0.06, key + 0.07, _OTHER)
+    scatters = [(u.parameter_bytes * grad_fraction, u.backward[1] + 0.6)
+                for u in reversed(units)] + [(root_bytes * grad_fraction, backward[1] + 0.6)]
+    for index, (nbytes, key) in enumerate(scatters):
+        following = scatters[index + 1][1] if index + 1 < len(scatters) else backward[1] + 0.6
+        add(nbytes, key, max(following, key) + 0.05, _OTHER, _BACKWARD)
+        for copy in range(int(copies.get("reduce_scatter", 0))):
+            add(nbytes, key + 0.01, key + 0.02, _OTHER, _BACKWARD)
 
 
 def communication_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: float) -> float:

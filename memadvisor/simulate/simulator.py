@@ -31,7 +31,9 @@ from .checkpoint import apply_checkpoint
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
                    work_profile)
 from .hardware import Hardware, device_rules, hardware
-from .offload import apply_offload
+from .bounds import LayoutBounds
+from .loop import hoisted_zero_grad, rewrites_loop
+from .offload import apply_offload, offload_activations
 from .optimizer_swap import apply_optimizer_swap
 from .precision import apply_precision, scaler_bytes
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline, replay_events
@@ -52,6 +54,8 @@ class Baseline:
     work: WorkProfile
     peak: object
     warnings: list[str] = field(default_factory=list)
+    #: the timeline as ``apply``'s loop rewrite runs it (``loop.hoisted_zero_grad``)
+    rewritten: Timeline | None = None
 
 
 def prepare(trace: Trace) -> Baseline:
@@ -78,9 +82,11 @@ def prepare(trace: Trace) -> Baseline:
     work = work_profile(meta, meta.steps_completed)
     if not work.total_flops:
         work = with_shape_flops(work, flops_from_shapes(timeline, meta))
+    rewritten, _ = hoisted_zero_grad(timeline)
     return Baseline(timeline, meta, int((meta.batch or {}).get("batch_size") or 0),
                     "cuda" if str(meta.device).startswith("cuda") else "cpu",
-                    module_bytes, blocks, fractions, work, timeline.peak(), warnings)
+                    module_bytes, blocks, fractions, work, timeline.peak(), warnings,
+                    rewritten)
 
 
 @dataclass
@@ -95,7 +101,7 @@ class Prediction:
     host_bytes: dict[str, float]
     notes: dict
     regions: list[str]
-    timeline: Timeline = field(repr=False)
+    timeline: Timeline | None = field(repr=False)
     out_of_memory: bool = False
 
     @property
@@ -103,15 +109,23 @@ class Prediction:
         return self.cost.step_time_factor
 
 
-def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str]) -> Timeline:
-    """Steps 1-3, which depend neither on the batch split nor on the ranks."""
-    timeline = base.timeline
-    if regions:
-        timeline, _ = apply_checkpoint(timeline, regions, hw.device_type)
-    timeline = apply_precision(timeline, plan.precision, hw.device_type,
-                               base.module_parameter_bytes)
-    if plan.precision == "amp-fp16":
-        timeline = _add_persistent(timeline, scaler_bytes(plan.precision), schema.OTHER)
+def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
+                 cache: dict | None = None) -> Timeline:
+    """Steps 1-3, which depend neither on the batch split nor on the ranks.  ``cache`` also
+    keeps steps 1-2 (shared by every optimizer)."""
+    key = ("precision", tuple(regions), plan.precision, hw.device_type, rewrites_loop(plan))
+    timeline = cache.get(key) if cache is not None else None
+    if timeline is None:
+        timeline = base.rewritten if rewrites_loop(plan) else base.timeline
+        if regions:
+            timeline, _ = apply_checkpoint(timeline, regions, hw.device_type)
+        timeline = apply_precision(timeline, plan.precision, hw.device_type,
+                                   base.module_parameter_bytes, regions)
+        if plan.precision == "amp-fp16":
+            timeline = _add_persistent(timeline, scaler_bytes(plan.precision), schema.OTHER)
+        if cache is not None:
+            timeline.order()
+            cache[key] = timeline
     timeline = apply_optimizer_swap(timeline, plan.optimizer)
     return _device_optimizer_rules(timeline, base, hw, plan)
 
@@ -123,13 +137,12 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
     ``cache`` (a dict the caller keeps, e.g. ``advise`` over thousands of plans) holds the
     result of steps 1-3 per (checkpoint, precision, optimizer, device) with its event
     order sorted, so later steps only merge their few rows into it."""
-    regions = resolve_checkpoint(plan, base.meta.modules) if plan.checkpoint != "none" else []
-    key = (tuple(regions), plan.precision, plan.optimizer, "optimizer" in plan.offload,
-           hw.device_type)
+    regions = _regions(base, plan, cache)
+    key = _layout_key(regions, plan, hw)[:-1]
     if cache is not None and key in cache:
         timeline = cache[key]
     else:
-        timeline = _model_stage(base, plan, hw, regions)
+        timeline = _model_stage(base, plan, hw, regions, cache)
         if cache is not None:
             timeline.order()
             cache[key] = timeline
@@ -138,16 +151,69 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
         timeline = scale_batch(timeline, micro / base.batch_size)
     else:
         micro = 0
-    timeline, notes = apply_sharding(timeline, plan, base.blocks, base.block_parameter_fraction)
+    timeline, notes = apply_sharding(timeline, plan, base.blocks, base.block_parameter_fraction,
+                                     device_rules(hw.device_type)["collective_copies"])
     timeline, host = apply_offload(timeline, plan)
     # accumulation (7) is evaluated on this one-micro-step timeline: accumulated_peak
     return timeline, regions, notes, host, micro
 
 
+def _regions(base: Baseline, plan: Plan, cache: dict | None) -> list[str]:
+    if plan.checkpoint == "none":
+        return []
+    if cache is None:
+        return resolve_checkpoint(plan, base.meta.modules)
+    key = ("regions", plan.checkpoint)
+    if key not in cache:
+        cache[key] = resolve_checkpoint(plan, base.meta.modules)
+    return cache[key]
+
+
+def _layout_key(regions: list[str], plan: Plan, hw: Hardware) -> tuple:
+    """What fixes a plan's lifetimes: ``transform``'s cache key plus activation offload."""
+    return (tuple(regions), plan.precision, plan.optimizer, "optimizer" in plan.offload,
+            hw.device_type, rewrites_loop(plan), "activations" in plan.offload)
+
+
+def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
+                   bounds_cache: dict) -> Prediction | None:
+    """``simulate(..., run_allocator=False, categories=False)`` for ``advise``: the peak from
+    the plan's layout bounds (``bounds.LayoutBounds``, one per lifetime layout, kept in
+    ``bounds_cache``) instead of a replay; None where the bounds cannot express the plan.
+    The returned prediction carries no timeline, categories or host bytes."""
+    regions = _regions(base, plan, cache)
+    micro = plan.micro_batch_size(base.batch_size) if base.batch_size else 0
+    key = _layout_key(regions, plan, hw)
+    bounds = bounds_cache.get(key)
+    if bounds is None and key not in bounds_cache:
+        stage_key = key[:-1]
+        timeline = cache.get(stage_key)
+        if timeline is None:
+            timeline = _model_stage(base, plan, hw, regions, cache)
+            timeline.order()
+            cache[stage_key] = timeline
+        if "activations" in plan.offload:
+            timeline, _ = offload_activations(timeline)
+        bounds = LayoutBounds(timeline, base.blocks, base.block_parameter_fraction,
+                              device_rules(hw.device_type)["collective_copies"])
+        bounds_cache[key] = bounds
+    if bounds is None:
+        return None
+    factor = micro / base.batch_size if base.batch_size else 1.0
+    peak = bounds.peak_bytes(plan, factor)
+    if peak is None:
+        return None
+    parameter_bytes = _model_parameter_bytes(base, plan)
+    cost = estimate(plan, base.work, hw, regions, parameter_bytes, parameter_bytes, 0.0)
+    return Prediction(plan, peak, {}, None, None, cost, micro, {}, {}, regions, None)
+
+
 def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
              micro_batch: int | None = None, run_allocator: bool = True,
              expandable_segments: bool = False, cache: dict | None = None,
-             categories: bool = True) -> Prediction:
+             categories: bool = True, allocator_stop_above: int = 0) -> Prediction:
+    """``allocator_stop_above``: let the allocator model stop once reserved memory passes
+    it (``advise`` only needs to know such a plan does not fit)."""
     hw = hw or hardware(None, base.meta.device)
     timeline, regions, notes, host, micro = transform(base, plan, hw, micro_batch, cache)
     peak = accumulated_peak(timeline, plan.accum, categories)
@@ -155,7 +221,8 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
     oom = False
     if run_allocator and hw.device_type == "cuda":
         sizes, rows = replay_events(apply_accumulation(timeline, plan.accum))
-        result = allocator_model.replay(sizes, rows, hw.memory_bytes, expandable_segments)
+        result = allocator_model.replay(sizes, rows, hw.memory_bytes, expandable_segments,
+                                        allocator_stop_above)
         allocated, reserved, oom = (result.peak_allocated_bytes, result.peak_reserved_bytes,
                                     result.out_of_memory)
     elif hw.device_type == "cpu":
@@ -210,20 +277,31 @@ def _device_optimizer_rules(timeline: Timeline, base: Baseline, hw: Hardware,
 
 
 def max_micro_batch(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: float,
-                    limit: int = 1 << 16) -> int:
+                    limit: int = 1 << 16, cache: dict | None = None,
+                    bounds_cache: dict | None = None) -> int:
     """Largest micro-batch (samples per rank per micro-step) whose peak fits the budget;
     0 when even one sample does not fit.  Sizes are linear in the micro-batch, so the plan
-    is transformed once and only rescaled while bisecting."""
+    is transformed once and only rescaled while bisecting (through the plan's layout
+    bounds when ``bounds_cache`` is given)."""
     if not base.batch_size:
         return 0
     parts = plan.world * plan.accum
     reference = max(base.batch_size // parts, 1)
-    timeline, *_ = transform(base, plan, hw, micro_batch=reference)
-    scaled = timeline.scales_with_batch
+    bounds = None
+    if bounds_cache is not None:
+        quick_simulate(base, plan, hw, cache if cache is not None else {}, bounds_cache)
+        bounds = bounds_cache.get(_layout_key(_regions(base, plan, cache), plan, hw))
+    if bounds is not None and bounds.peak_bytes(plan, reference / base.batch_size) is not None:
+        def fits(m: int) -> bool:
+            return bounds.peak_bytes(plan, m / base.batch_size) <= budget_bytes
+    else:
+        timeline, *_ = transform(base, plan, hw, micro_batch=reference, cache=cache)
+        scaled = timeline.scales_with_batch
 
-    def fits(m: int) -> bool:
-        sizes = np.where(scaled, timeline.size * (m / reference), timeline.size)
-        return accumulated_peak(timeline.resized(sizes), plan.accum, False).bytes <= budget_bytes
+        def fits(m: int) -> bool:
+            sizes = np.where(scaled, timeline.size * (m / reference), timeline.size)
+            return accumulated_peak(timeline.resized(sizes), plan.accum,
+                                    False).bytes <= budget_bytes
 
     if not fits(1):
         return 0

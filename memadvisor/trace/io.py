@@ -98,8 +98,20 @@ def read_trace(path: str | os.PathLike) -> Trace:
     missing = [c for c in COLUMN_NAMES if c not in table.column_names]
     if missing:
         raise TraceError(f"{path}: trace lacks columns {', '.join(missing)}")
-    events = table.select(list(COLUMN_NAMES)).to_pandas()
+    table = table.select(list(COLUMN_NAMES))
+    for name in COLUMN_NAMES:
+        if not _type_matches(COLUMNS[name][0], table.schema.field(name).type):
+            raise TraceError(f"{path}: column {name} has type {table.schema.field(name).type}, "
+                             f"expected {COLUMNS[name][0]}")
+    events = table.to_pandas()
     return Trace(events=events, meta=meta, path=str(path))
+
+
+def _type_matches(kind: str, arrow_type: pa.DataType) -> bool:
+    if kind == "dict":
+        return pa.types.is_dictionary(arrow_type) or pa.types.is_string(arrow_type) \
+            or pa.types.is_large_string(arrow_type)
+    return pa.types.is_integer(arrow_type)
 
 
 def _check_exists(path: Path) -> None:

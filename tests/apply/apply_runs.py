@@ -67,7 +67,7 @@ def run_applied(script: Path, plan: str, args: list[str], folder: Path) -> list[
 
 
 def run_distributed(jobs: list[tuple[Path, str, list[str]]], nproc: int, folder: Path,
-                    timeout_s: float = 300) -> list[list[torch.Tensor]]:
+                    timeout_s: float = 300, backend: str = "gloo") -> list[list[torch.Tensor]]:
     """Run each (script, plan, args) rewritten, in turn, inside one torchrun job."""
     specs = []
     for script, plan, args in jobs:
@@ -80,7 +80,7 @@ def run_distributed(jobs: list[tuple[Path, str, list[str]]], nproc: int, folder:
            "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), str(Path(__file__).with_name("dist_jobs.py")), str(job_file)],
+         str(nproc), str(Path(__file__).with_name("dist_jobs.py")), str(job_file), backend],
         env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise AssertionError(f"torchrun job failed ({done.returncode}):\n{done.stderr[-6000:]}")

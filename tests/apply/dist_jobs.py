@@ -1,6 +1,6 @@
 """Run several rewritten scripts one after another in every rank of one torchrun job.
 
-    torchrun --nproc-per-node N tests/apply/dist_jobs.py JOBS.json
+    torchrun --nproc-per-node N tests/apply/dist_jobs.py JOBS.json [gloo|nccl]
 
 JOBS.json: [{"script": ..., "args": [...], "save": "params.pt"}, ...].  Starting torch and
 a process group once for all of them keeps the multi-process tests within CI's time.
@@ -14,9 +14,9 @@ import torch.distributed as dist
 from memadvisor.apply import launch, runtime
 
 
-def main(job_file):
+def main(job_file, backend="gloo"):
     jobs = json.load(open(job_file))
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend)
     for job in jobs:
         launch.run_script(job["script"], job["args"])
         runtime.finish(save_parameters=job["save"], destroy_process_group=False)
@@ -27,4 +27,4 @@ def main(job_file):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

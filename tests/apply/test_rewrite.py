@@ -75,7 +75,9 @@ def test_foreign_scripts(tmp_path):
     # the model and optimizer live on self; prepare comes before the LR scheduler takes it
     assert own_flags.found["model"] == "self.model" and own_flags.found["optimizer"] == "self.opt"
     code = own_flags.code
-    assert code.index("mem.prepare(self.model, self.opt") < code.index("StepLR(self.opt")
+    assert "        self.model, self.opt = mem.prepare(\n" \
+           '            self.model, self.opt, plan="precision=amp-bf16,accum=2"\n        )\n' in code
+    assert code.index("mem.prepare(") < code.index("StepLR(self.opt")
     assert "mem.step(self.opt)" in code
     # the script does its own accumulation: the plan's loop goes inside its inner loop
     accum = rewrite_source((FIXTURES / "grad_accum.py").read_text(), PLAN, "grad_accum.py")
@@ -86,7 +88,7 @@ def test_foreign_scripts(tmp_path):
     assert "for inputs, targets in mem.micro_batches(inputs, targets):" in plain.code
     # forward/backward in a helper that receives model and optimizer as arguments
     helper = rewrite_source((FIXTURES / "crash_in_step.py").read_text(), PLAN, "c.py")
-    assert "model, opt = mem.prepare(model, opt," in helper.code
+    assert 'model, opt = mem.prepare(model, opt, plan="precision=amp-bf16,accum=2")' in helper.code
     assert "    mem.step(opt)" in helper.code and "for x, y in mem.micro_batches(x, y):" in helper.code
 
 
@@ -201,7 +203,9 @@ def test_fixed_batch_made_before_the_loop():
             opt.zero_grad()
         """)
     rewrite = rewrite_source(source, PLAN, "s.py")
-    assert "for x in mem.micro_batches(x):" in rewrite.code
+    # x is made once: the parts get their own name, so the next step splits x again
+    assert "    for x_part in mem.micro_batches(x):\n        loss = model(x_part).pow(2).mean()" \
+        in rewrite.code
 
 
 def test_weight_decay_groups_and_future_imports():
@@ -239,3 +243,38 @@ def test_alias_avoids_the_scripts_names():
     rewrite = rewrite_source(source, PLAN, "s.py")
     assert "import memadvisor.apply as memadvisor_apply" in rewrite.code
     assert "memadvisor_apply.backward(model(x).sum())" in rewrite.code
+
+
+def test_the_batch_is_every_tensor_the_step_reads():
+    source = script("""
+        import torch
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, (x, y, w) in enumerate(data):
+            x = x.to(device).view(-1, width)
+            loss = ((model(x) - y).pow(2) * w).mean() * scale[step]
+            if step == 3:
+                print(f"{step} {x.shape}")
+            loss.backward()
+            optimizer.step()
+        """)
+    rewrite = rewrite_source(source, PLAN, "s.py")
+    # not the device, the shape, the step index, or what is only printed or compared
+    assert rewrite.found["batch"] == "x, y, w"
+
+
+def test_an_optimizer_chosen_by_a_flag():
+    source = script("""
+        import torch
+        model = torch.nn.Linear(2, 1)
+        if args.opt == "sgd":
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters())
+        for x, y in data:
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+        """)
+    code = rewrite_source(source, PLAN, "s.py").code
+    assert "    optimizer = torch.optim.AdamW(model.parameters())\nmodel, optimizer = mem.prepare(" in code

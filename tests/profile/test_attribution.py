@@ -153,10 +153,6 @@ def test_the_batch_is_input(gpt):
     assert gpt.trace.meta.batch["shapes"] == [[4, 32], [4, 32]]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "session.py _root_forward(): _forward_begins() sets phase 'forward' before "
-    "_register_existing() logs a batch tensor made before the session, so its "
-    "created_phase is 'forward', it is not marked 'input', and ends up 'activation'"))
 def test_a_batch_made_before_the_session_is_input():
     """Data that existed before profiling began and is fed to the model is still the
     batch: registered when first seen, in the root module's forward."""
@@ -165,11 +161,12 @@ def test_a_batch_made_before_the_session_is_input():
     x = torch.randn(64, 32)
     with ProfileSession() as session:
         model(x).sum().backward()
-    table, _meta = session.build()
+    table, meta = session.build()
     events = table.to_pandas()
     first = events[(events["action"] == "alloc") & (events["shape"].astype(str) == "64,32")]
     assert len(first) == 1
     assert first["category"].astype(str).tolist() == ["input"]
+    assert meta.batch["shapes"] == [[64, 32]]
 
 
 def test_meta_batch_describes_the_models_input_not_the_loss_modules():

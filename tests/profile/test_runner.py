@@ -116,9 +116,6 @@ raise ValueError("batch 7 is empty")
     assert read_trace(result.trace_path).meta.error == result.error
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runner.py _one_line() keeps the LAST line of format_exception_only(), so a multi-line "
-    "message loses its exception type and first line (error becomes '  got (4, 9)')"))
 def test_a_multi_line_error_message_keeps_its_type_and_first_line(tmp_path):
     script = _script(tmp_path, "fails_long.py", TRAIN_LOOP + """
 train(1)
@@ -163,10 +160,6 @@ while True:
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "session.py _watch() uses _thread.interrupt_main(), which only sets a flag checked "
-    "between bytecodes: a step blocked inside one C call (sleep, a queue get, a hung "
-    "collective) is never interrupted, so --timeout does not fire until the call returns"))
 def test_timeout_interrupts_a_step_blocked_in_one_call(tmp_path):
     script = _script(tmp_path, "blocks.py", TRAIN_LOOP + """
 import time

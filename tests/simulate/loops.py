@@ -72,8 +72,9 @@ def run(*, checkpointed=False, accum=1, optimizer="adamw", dtype=torch.float32,
                 micro = batch // accum
                 for k in range(accum):
                     xs, ys = x[k * micro:(k + 1) * micro], y[k * micro:(k + 1) * micro]
-                    logits = model(xs)
-                    loss = F.cross_entropy(logits.float().view(-1, VOCAB), ys.reshape(-1))
+                    # as ``apply`` does: floating outputs of a 16-bit model come back in fp32
+                    logits = model(xs).float()
+                    loss = F.cross_entropy(logits.view(-1, VOCAB), ys.reshape(-1))
                     (loss / accum).backward()
                 opt.step()
     except StopProfiling:
@@ -101,7 +102,8 @@ def run_autocast(dtype=torch.bfloat16, steps=2) -> Trace:
                 opt.zero_grad(set_to_none=True)
                 with torch.autocast("cpu", dtype=dtype):
                     logits = model(x)
-                loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
+                logits = logits.float()  # apply hands autocast's outputs back in fp32
+                loss = F.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1))
                 loss.backward()
                 opt.step()
     except StopProfiling:

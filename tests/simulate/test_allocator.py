@@ -56,3 +56,51 @@ def test_capacity_releases_cached_segments_before_reporting_oom():
     alloc.free(block)
     alloc.malloc(36 * MiB)  # the cached 30 MiB segment is released first
     assert not alloc.out_of_memory and alloc.reserved == 36 * MiB
+
+
+def _event_by_event(sizes, rows):
+    """The allocator driven one event at a time, without replay's shortcuts."""
+    alloc, live = CachingAllocator(), {}
+    for delta, row in zip(sizes.tolist(), rows.tolist()):
+        if delta > 0:
+            live[row] = alloc.malloc(int(round(delta)))
+        else:
+            alloc.free(live.pop(row))
+    return alloc.peak_allocated, alloc.peak_reserved
+
+
+def test_replay_shortcuts_match_event_by_event():
+    # kernel temporaries (an alloc freed by the next event) are replayed as queries:
+    # the peaks must be those of the plain event-by-event model
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        sizes, rows, live, next_row = [], [], [], 0
+        for _ in range(400):
+            choice = rng.random()
+            if live and choice < 0.35:
+                row, size = live.pop(int(rng.integers(len(live))))
+                sizes.append(-size)
+                rows.append(row)
+                continue
+            size = float(rng.choice([700, 4096, 300_000, 900_000, 3 * MiB, 12 * MiB, 25 * MiB]))
+            size *= float(rng.uniform(0.5, 1.5))
+            sizes.append(size)
+            rows.append(next_row)
+            if choice < 0.6:  # a temporary freed at once
+                sizes.append(-size)
+                rows.append(next_row)
+            else:
+                live.append((next_row, size))
+            next_row += 1
+        sizes, rows = np.array(sizes), np.array(rows)
+        result = replay(sizes, rows)
+        assert (result.peak_allocated_bytes, result.peak_reserved_bytes) == \
+            _event_by_event(sizes, rows), trial
+
+
+def test_replay_stops_once_reserved_passes_the_limit():
+    sizes = np.array([30.0 * MiB, 30.0 * MiB, 30.0 * MiB])
+    rows = np.array([0, 1, 2])
+    result = replay(sizes, rows, stop_above_bytes=50 * MiB)
+    assert not result.complete and result.peak_reserved_bytes == 60 * MiB
+    assert replay(sizes, rows).complete

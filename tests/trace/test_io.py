@@ -250,6 +250,15 @@ def test_missing_columns(tmp_path, small_trace):
     _assert_one_line_error(path, "size_bytes")
 
 
+def test_a_column_of_the_wrong_type(tmp_path, small_trace):
+    table = pq.read_table(small_trace)
+    index = table.column_names.index("size_bytes")
+    as_text = pa.array([str(v) for v in table.column("size_bytes").to_pylist()])
+    path = tmp_path / "wrong_type.trace"
+    write_trace(path, table.set_column(index, "size_bytes", as_text), synthetic_meta())
+    _assert_one_line_error(path, "size_bytes")
+
+
 # --- speed ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def million_event_trace(tmp_path_factory):

@@ -1,0 +1,326 @@
+"""Peaks of many plans that share one lifetime layout, without replaying each of them.
+
+``advise`` predicts thousands of plans; most differ from one another only in row *sizes*
+(the micro-batch, ranks sharing the model state, what is offloaded), not in lifetimes.  A
+``LayoutBounds`` is built once per lifetime layout (steps 1-3 of ``simulator`` plus
+``offload=activations``) and answers the exact peak of any such plan in time that does not
+grow with the trace:
+
+* rows fall in groups (fixed, optimizer-step temporaries, optimizer state, persistent and
+  other parameters and gradients; each split by ``scales_with_batch``); a plan turns every
+  group's sizes by one rule (``x f``, ``ceil(/G)``, ``x share``, ``x 0``), so the live curve
+  is a non-negative combination of per-group *columns*;
+* the sorted event axis is cut into chunks (``CHUNK`` events, and cut at every position a
+  data-parallel mode adds rows: those rows are constant inside a chunk); each column keeps
+  its maximum and its value before each chunk;
+* a plan's bound per chunk is the combination of its column maxima plus the added rows;
+  the plan's own added events are evaluated exactly, then only the chunks whose bound beats
+  the best value so far are replayed event by event (usually a handful).
+
+The result is the same number ``accumulation.accumulated_peak`` gives for the plan's
+timeline (the micro-step curve of ``accum > 1`` is bounded the same way), up to float
+rounding; ``tests/simulate/test_bounds.py`` checks it against the exact path for every
+candidate plan.  Layouts it cannot express (a batch-scaled model-state row, rows a mode
+adds that outlive the micro-step) answer ``None`` and the caller replays exactly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import FSDP_SHARDS, Plan
+from ..trace import schema
+from .accumulation import _masks, segment_keys
+from .offload import optimizer_step_temporaries, persistent_rows
+from .replay import CATEGORY_CODE, FREE_FIRST, Timeline
+from .sharding import shard_additions, zero1_share
+
+CHUNK = 128  #: events per chunk
+REFINE_BATCH = 4  #: chunks replayed together
+FIXED, OPTIMIZER_TEMP, STATE, PARAM_KEPT, PARAM_OTHER, GRAD_KEPT, GRAD_OTHER = range(7)
+MODEL_STATE = (STATE, PARAM_KEPT, PARAM_OTHER, GRAD_KEPT, GRAD_OTHER)
+GROUPS = 14  #: category group x scales-with-batch
+SHARD_KINDS = ("ddp", "zero2", "zero3")  #: zero1 adds what ddp adds
+
+
+def row_groups(timeline: Timeline) -> np.ndarray:
+    category = timeline.category
+    group = np.full(len(timeline), FIXED, np.int8)
+    group[optimizer_step_temporaries(timeline)] = OPTIMIZER_TEMP
+    kept = persistent_rows(timeline)
+    group[category == CATEGORY_CODE[schema.OPTIMIZER_STATE]] = STATE
+    param = category == CATEGORY_CODE[schema.PARAMETER]
+    grad = category == CATEGORY_CODE[schema.GRADIENT]
+    group[param & kept], group[param & ~kept] = PARAM_KEPT, PARAM_OTHER
+    group[grad & kept], group[grad & ~kept] = GRAD_KEPT, GRAD_OTHER
+    return (group * 2 + timeline.scales_with_batch).astype(np.int8)
+
+
+def group_rules(plan: Plan, batch_factor: float, share: float) -> list[tuple[float, int]]:
+    """(multiplier, ranks G) per group: size -> multiplier x (ceil(size / G) if G > 1 else
+    size), mirroring ``scale_batch``, ``sharding.shard_sizes`` and ``offload.offload_sizes``."""
+    rules = []
+    for code in range(GROUPS):
+        kind, scaled = divmod(code, 2)
+        multiplier, ranks = (batch_factor if scaled else 1.0), 1
+        if kind in MODEL_STATE:
+            if plan.shard == "zero1" and kind == STATE:
+                multiplier *= share
+            elif plan.shard in FSDP_SHARDS:
+                ranks = plan.shard_group_size
+        if "optimizer" in plan.offload:
+            if kind in (STATE, OPTIMIZER_TEMP):
+                multiplier = 0.0
+            if "params" in plan.offload and kind in (PARAM_KEPT, GRAD_KEPT):
+                multiplier = 0.0
+        rules.append((multiplier, ranks))
+    return rules
+
+
+def _shrunk(size: np.ndarray, ranks: int) -> np.ndarray:
+    return np.ceil(size / ranks) if ranks > 1 else size
+
+
+class _Column:
+    """One group's live bytes (one ``ranks`` rule) reduced to what the bounds need."""
+
+    __slots__ = ("max", "before", "at", "mid_max", "mid_before", "mid_at")
+
+
+class _Additions:
+    """What one data-parallel mode adds, placed on this layout's event axis."""
+
+    def __init__(self, layout: "LayoutBounds", rows: dict):
+        sizes = rows["size"]
+        keys = np.concatenate([rows["alloc_key"], rows["free_key"] - FREE_FIRST])
+        signed = np.concatenate([sizes, -sizes])
+        order = np.argsort(keys, kind="stable")  # as ``replay._merge_order`` inserts them
+        self.keys = keys[order]
+        self.positions = np.searchsorted(layout.sorted_keys, self.keys, side="right")
+        self.running = np.cumsum(signed[order])  # added bytes alive after each added event
+        self.slot = np.searchsorted(layout.slot_positions, self.positions)
+        self.before = _running_before(self.positions, self.running, layout.starts)
+        self.middle_ok = True
+        if layout.window is not None and len(sizes):
+            start, end = layout.segment
+            alloc, free = rows["alloc_key"], rows["free_key"]
+            alloc_inside = (alloc >= start) & (alloc < end)
+            free_inside = (free >= start) & (free < end)
+            outliving = alloc_inside & ~free_inside
+            released = ~alloc_inside & (alloc < start) & free_inside
+            self.middle_ok = not (outliving.any() or released.any())
+            self.in_window = (self.keys >= start - 1e-6) & (self.keys < end - 1e-6)
+            self.mid_before = _running_before(self.positions, self.running, layout.mid_starts)
+
+
+def _running_before(positions: np.ndarray, running: np.ndarray, starts: np.ndarray):
+    """Added bytes alive at the first event of each chunk (added events placed earlier)."""
+    count = np.searchsorted(positions, starts, side="right")
+    return np.where(count > 0, running[np.maximum(count - 1, 0)], 0.0) if len(running) \
+        else np.zeros(len(starts))
+
+
+class LayoutBounds:
+    def __init__(self, timeline: Timeline, blocks: list[str], fractions: dict[str, float],
+                 copies: dict | None = None):
+        self.timeline = timeline
+        rows = len(timeline)
+        order = timeline.order()
+        self.is_alloc = order >= rows
+        self.row = np.where(self.is_alloc, order - rows, order).astype(np.int32)
+        self.sorted_keys = timeline.sort_keys()[order]
+        self.sign = np.where(self.is_alloc, 1, -1).astype(np.int8)
+        self.groups = row_groups(timeline)
+        scaled_state = (self.groups % 2 == 1) & np.isin(self.groups // 2, MODEL_STATE)
+        self.supported = not bool((scaled_state & (timeline.size > 0)).any())
+        self.event_group = self.groups[self.row]
+        by_group = np.argsort(self.event_group, kind="stable")
+        bounds = np.searchsorted(self.event_group[by_group], np.arange(GROUPS + 1))
+        self.members = [by_group[bounds[g]:bounds[g + 1]] for g in range(GROUPS)]
+        self.blocks, self.fractions = blocks, fractions
+        rows_by_kind = {kind: shard_additions(timeline, kind, blocks, fractions, copies)[0]
+                        for kind in SHARD_KINDS}
+        keys = np.concatenate([np.concatenate([r["alloc_key"], r["free_key"] - FREE_FIRST])
+                               for r in rows_by_kind.values()])
+        self.slot_positions = np.unique(np.searchsorted(self.sorted_keys, keys, side="right"))
+        n = len(order)
+        self.n = n
+        self.segment = segment_keys(timeline)
+        self.window = None
+        cuts = [np.arange(0, n, CHUNK), self.slot_positions[self.slot_positions < n]]
+        if self.segment is not None:
+            start, end = self.segment
+            w0, w1 = (int(i) for i in np.searchsorted(self.sorted_keys,
+                                                      [start - 1e-6, end - 1e-6]))
+            if w1 > w0:
+                self.window = (w0, w1)
+                _, outliving, released = _masks(timeline, start, end)
+                self.outliving_alloc = outliving[self.row] & self.is_alloc
+                self.released_free = released[self.row] & ~self.is_alloc
+                self.outliving_rows, self.released_rows = outliving, released
+                cuts += [np.array([w0, w1])]
+        starts = np.unique(np.concatenate(cuts))
+        self.starts = starts[(starts >= 0) & (starts < n)] if n else np.zeros(0, np.int64)
+        self.ends = np.append(self.starts[1:], n)
+        if self.window is not None:
+            w0, w1 = self.window
+            inside = (self.starts >= w0) & (self.starts < w1)
+            self.mid_starts = self.starts[inside]
+            self.mid_ends = self.ends[inside]
+        self.event_chunk = (np.repeat(np.arange(len(self.starts)), self.ends - self.starts)
+                            if n else np.zeros(0, np.int64))
+        if self.window is not None:
+            self.mid_first = int(np.searchsorted(self.starts, self.window[0]))
+            self.group_released = [self.released_rows & (self.groups == g)
+                                   for g in range(GROUPS)]
+            self.group_outliving = [self.outliving_rows & (self.groups == g)
+                                    for g in range(GROUPS)]
+        self.columns: dict[tuple[int, int], _Column] = {}
+        self.additions = {"none": None}
+        for kind, rows_added in rows_by_kind.items():
+            self.additions[kind] = _Additions(self, rows_added) if len(rows_added["size"]) \
+                else None
+        self.additions["zero1"] = self.additions["ddp"]
+        self.share: dict[int, float] = {}
+        del self.sorted_keys  # only placed the additions
+
+    # --- columns ------------------------------------------------------------------------
+    def _column(self, group: int, ranks: int) -> _Column:
+        key = (group, ranks)
+        column = self.columns.get(key)
+        if column is not None:
+            return column
+        column = _Column()
+        events = self.members[group]
+        size = _shrunk(self.timeline.size[self.row[events]], ranks)
+        cum = np.cumsum(self.sign[events] * size)
+        column.before, column.max = _chunk_stats(events, cum, self.starts, cum,
+                                                 self.event_chunk[events])
+        column.at = _value_after(events, cum, self.slot_positions - 1)
+        if self.window is not None:
+            w0, w1 = self.window
+            inside = (events >= w0) & (events < w1)
+            before_window = _value_after(events, cum, np.array([w0 - 1]))[0]
+            released, outliving = self.group_released[group], self.group_outliving[group]
+            sizes = self.timeline.size
+            entering = (before_window - _shrunk(sizes[released], ranks).sum()
+                        + _shrunk(sizes[outliving], ranks).sum())
+            window_events = events[inside]
+            window_size = size[inside]
+            outliving_alloc = self.outliving_alloc[window_events]
+            bump = np.where(outliving_alloc, window_size, 0.0)
+            step = np.where(outliving_alloc | self.released_free[window_events], 0.0,
+                            self.sign[window_events] * window_size)
+            mid_cum = entering + np.cumsum(step)
+            column.mid_before, column.mid_max = _chunk_stats(
+                window_events, mid_cum, self.mid_starts, mid_cum + bump,
+                self.event_chunk[window_events] - self.mid_first, entering, w0)
+            slots = np.clip(self.slot_positions, w0, w1) - 1
+            column.mid_at = np.where(self.slot_positions <= w0, entering,
+                                     _value_after(window_events, mid_cum, slots, entering))
+        self.columns[key] = column
+        return column
+
+    # --- evaluation ---------------------------------------------------------------------
+    def peak_bytes(self, plan: Plan, batch_factor: float) -> int | None:
+        """The plan's peak (``accumulated_peak(...).bytes``), or None when not expressible."""
+        if not self.supported or not self.n:
+            return None
+        share = 1.0
+        if plan.shard == "zero1":
+            group = plan.shard_group_size
+            if group not in self.share:
+                self.share[group] = zero1_share(self.timeline, group)
+            share = self.share[group]
+        rules = group_rules(plan, batch_factor, share)
+        used = [(g, m, r) for g, (m, r) in enumerate(rules) if m > 0 and len(self.members[g])]
+        added = self.additions[plan.shard]
+        columns = [(self._column(g, r), m) for g, m, r in used]
+        multipliers = np.zeros(GROUPS)
+        ranks = np.ones(GROUPS, np.int64)
+        for g, (m, r) in enumerate(rules):
+            multipliers[g], ranks[g] = m, r
+        best = self._best(columns, added, multipliers, ranks, middle=False)
+        if plan.accum > 1 and self.window is not None:
+            if added is not None and not added.middle_ok:
+                return None
+            best = max(best, self._best(columns, added, multipliers, ranks, middle=True))
+        return int(round(best))
+
+    def _best(self, columns, added, multipliers, ranks, middle: bool) -> float:
+        if middle:
+            starts, ends = self.mid_starts, self.mid_ends
+            bound = sum(m * c.mid_max for c, m in columns) if columns else np.zeros(len(starts))
+            before = sum(m * c.mid_before for c, m in columns) if columns else np.zeros(len(starts))
+            at = sum(m * c.mid_at for c, m in columns) if columns else np.zeros(
+                len(self.slot_positions))
+        else:
+            starts, ends = self.starts, self.ends
+            bound = sum(m * c.max for c, m in columns) if columns else np.zeros(len(starts))
+            before = sum(m * c.before for c, m in columns) if columns else np.zeros(len(starts))
+            at = sum(m * c.at for c, m in columns) if columns else np.zeros(
+                len(self.slot_positions))
+        best = -np.inf
+        if added is not None:
+            extra = added.mid_before if middle else added.before
+            bound = bound + extra
+            before = before + extra
+            values = at[added.slot] + added.running
+            if middle:
+                values = values[added.in_window]
+            if len(values):
+                best = float(values.max())
+        if not len(starts):
+            return best
+        bound = bound.copy()
+        while True:
+            candidates = np.flatnonzero(bound > best)
+            if not len(candidates):
+                return best
+            if len(candidates) > REFINE_BATCH:  # the most promising first
+                top = np.argpartition(-bound[candidates], REFINE_BATCH)[:REFINE_BATCH]
+                candidates = candidates[top]
+            best = max(best, self._replay_chunks(starts[candidates], ends[candidates],
+                                                 before[candidates], multipliers, ranks,
+                                                 middle))
+            bound[candidates] = -np.inf
+
+    def _replay_chunks(self, starts, ends, before, multipliers, ranks, middle: bool) -> float:
+        lengths = ends - starts
+        index = np.repeat(starts - np.cumsum(np.append(0, lengths[:-1])), lengths) + \
+            np.arange(int(lengths.sum()))
+        rows = self.row[index]
+        group = self.event_group[index]
+        size = self.timeline.size[rows]
+        group_ranks = ranks[group]
+        size = multipliers[group] * np.where(group_ranks > 1, np.ceil(size / group_ranks), size)
+        step = self.sign[index] * size
+        bump = 0.0
+        if middle:
+            outliving = self.outliving_alloc[index]
+            bump = np.where(outliving, size, 0.0)
+            step = np.where(outliving | self.released_free[index], 0.0, step)
+        cum = np.cumsum(step)
+        offsets = np.repeat(np.append(0.0, cum[np.cumsum(lengths)[:-1] - 1]) - before, lengths)
+        return float((cum - offsets + bump).max())
+
+
+def _value_after(events: np.ndarray, cum: np.ndarray, positions: np.ndarray,
+                 initial: float = 0.0) -> np.ndarray:
+    """Column value after event ``positions`` (``initial`` before its first event)."""
+    count = np.searchsorted(events, positions, side="right")
+    if not len(cum):
+        return np.full(len(positions), initial)
+    return np.where(count > 0, cum[np.maximum(count - 1, 0)], initial)
+
+
+def _chunk_stats(events, cum, starts, peaks, chunk, initial: float = 0.0, first: int = 0):
+    """(value before each chunk, an upper bound of the value after any event in it);
+    ``chunk``: the chunk of each event."""
+    before = _value_after(events, cum, starts - 1, initial)
+    if first:
+        before = np.where(starts <= first, initial, before)
+    top = before.copy()
+    if len(events):
+        heads = np.flatnonzero(np.append(True, chunk[1:] != chunk[:-1]))
+        top[chunk[heads]] = np.maximum(top[chunk[heads]], np.maximum.reduceat(peaks, heads))
+    return before, top
