@@ -26,6 +26,10 @@ def _why(plan: Plan, category: str, micro: int, batch: int) -> str:
             reasons.append(f"{plan.shard} over {plan.shard_group_size} ranks")
     if plan.shard in ("ddp", "zero1") and category == schema.OTHER:
         reasons.append("DDP gradient buckets")
+    if plan.shard in ("zero2", "zero3") and category == schema.OTHER:
+        reasons.append("FSDP all-gather / reduce-scatter buffers")
+    if plan.shard in ("zero2", "zero3") and category == schema.PARAMETER:
+        reasons.append("parameters gathered for compute")
     if plan.precision != "fp32":
         if plan.precision == "bf16":
             reasons.append("bf16 storage")
@@ -34,7 +38,7 @@ def _why(plan: Plan, category: str, micro: int, batch: int) -> str:
     if plan.checkpoint != "none" and category in (schema.ACTIVATION, schema.TEMPORARY):
         reasons.append("checkpointing (recompute in backward)")
     if micro and batch and micro != batch and category in (
-            schema.ACTIVATION, schema.TEMPORARY, schema.INPUT):
+            schema.ACTIVATION, schema.TEMPORARY):
         reasons.append(f"micro-batch {micro} of {batch}")
     if plan.optimizer != "keep" and category == schema.OPTIMIZER_STATE:
         reasons.append(DESCRIPTIONS[plan.optimizer])

@@ -10,8 +10,6 @@ those frees moved to just before the step's first forward event.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..plan import Plan
 from ..trace import schema
 from .accumulation import segment_keys

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -78,13 +79,24 @@ def run_distributed(jobs: list[tuple[Path, str, list[str]]], nproc: int, folder:
     job_file.write_text(json.dumps(specs))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), str(Path(__file__).with_name("dist_jobs.py")), str(job_file), backend],
-        env=env, capture_output=True, text=True, timeout=timeout_s)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), str(Path(__file__).with_name("dist_jobs.py")),
+               str(job_file), backend]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0 and _killed_by_signal(done.stderr):
+        # gloo's TCP transport has been seen to abort a rank (SIGABRT, then "connection reset"
+        # in its peer) on a heavily loaded 2-core machine; a crash is not a wrong answer, so
+        # run the job once more and say so -- a second crash fails the test
+        warnings.warn(f"torchrun job crashed with a signal, retrying once:\n{done.stderr[-800:]}")
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
     if done.returncode != 0:
         raise AssertionError(f"torchrun job failed ({done.returncode}):\n{done.stderr[-6000:]}")
     return [torch.load(spec["save"])["tensors"] for spec in specs]
+
+
+def _killed_by_signal(stderr: str) -> bool:
+    return "Signal 6 (SIGABRT)" in stderr or "Signal 11 (SIGSEGV)" in stderr
 
 
 def relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
