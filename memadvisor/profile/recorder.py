@@ -119,7 +119,7 @@ class EventRecorder:
             self._log_free(alloc_row)
 
     def check_resize(self, storage, op: str, shape: str, source,
-                     size_bytes: int | None = None) -> None:
+                     size_bytes: int | None = None, allow_shrink: bool = False) -> None:
         """An op grew (or shrank) an existing storage in place (``out=`` into an empty
         tensor, ``resize_``): log it as the old size freed and the new size allocated."""
         cdata = storage._cdata
@@ -128,7 +128,7 @@ class EventRecorder:
             return
         old = self.rows[entry[1]]
         size = storage.nbytes() if size_bytes is None else size_bytes
-        if size <= old[_SIZE]:
+        if size == old[_SIZE] or (size < old[_SIZE] and not allow_shrink):
             return
         self._log_free(entry[1])
         new_sid = self._log_alloc(cdata, size, old[_DEVICE], old[_DTYPE], shape, op,

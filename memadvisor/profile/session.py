@@ -78,6 +78,7 @@ class ProfileSession:
         self._stop_after_backward = False
         self._model_snapshot: dict = {}
         self._batch_root_seen = False
+        self._original_resize = None
         # id(parameter) -> owning module path ('blocks.0.attn'); ids stay valid because the
         # model outlives every step we record
         self._param_owner: dict[int, str] = {}
@@ -96,6 +97,7 @@ class ProfileSession:
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saved_hooks.__enter__()
         self._start_native_hook()
+        self._patch_storage_resize()
         self.mode.__enter__()
         self._last_progress = time.monotonic()
         if self.timeout_s:
@@ -120,6 +122,33 @@ class ProfileSession:
         self.mode.native = hook
         self.native_status = "on"
 
+    def _patch_storage_resize(self) -> None:
+        """``UntypedStorage.resize_`` is no aten op, so the dispatch mode never sees it; FSDP
+        frees and re-allocates unsharded parameters exactly that way (``resize_(0)`` after
+        forward, ``resize_(n)`` before the all-gather).  Wrap it for the session."""
+        original = torch.UntypedStorage.resize_
+        self._original_resize = original
+        session = self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            session._storage_resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+
+    def _storage_resized(self, storage) -> None:
+        recorder = self.recorder
+        source = self.locator.locate(2)
+        if recorder.lookup(storage) is None:
+            if storage.nbytes():
+                device = str(storage.device)
+                recorder.alloc(storage, device, "bytes", str(storage.nbytes()),
+                               "UntypedStorage.resize_", source)
+            return
+        recorder.check_resize(storage, "UntypedStorage.resize_", str(storage.nbytes()), source,
+                              allow_shrink=True)
+
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -127,6 +156,9 @@ class ProfileSession:
         if not self._stack:
             return
         self.mode.__exit__(None, None, None)
+        if self._original_resize is not None:
+            torch.UntypedStorage.resize_ = self._original_resize
+            self._original_resize = None
         if self.mode.native is not None:
             self.mode.native.stop()
             self.mode.native.clear()
