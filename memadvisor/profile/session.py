@@ -16,7 +16,6 @@ optimizer: between the optimizer step pre and post hooks; other: everything else
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import signal
 import time
@@ -28,7 +27,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook,
 )
 
-from ..trace import schema
+from ..trace import analysis, schema
 from . import metadata
 from .dispatch import TrackingMode, _storage, _tensors
 from .modules import ModuleTracker, clean_path
@@ -422,12 +421,8 @@ class ProfileSession:
         )
 
     def _step_infos(self, table, boundaries) -> list[dict]:
-        import numpy as np
-        sizes = table.column("size_bytes").to_numpy()
-        is_alloc = np.asarray(table.column("action").to_pylist()) == schema.ALLOC \
-            if len(sizes) else np.zeros(0, dtype=bool)
-        live = np.cumsum(np.where(is_alloc, sizes, -sizes)) if len(sizes) else np.zeros(0)
-        times = table.column("time_ns").to_numpy()
+        # the same live-bytes definition every reader uses
+        live = analysis.live_bytes(table.select(["action", "size_bytes"]).to_pandas())
         infos, start_seq, start_ns = [], 0, 0
         for index, (seq, end_ns) in enumerate(boundaries):
             window = live[start_seq:seq]
@@ -439,7 +434,6 @@ class ProfileSession:
                 cuda_max_allocated_bytes=cuda[0], cuda_max_reserved_bytes=cuda[1],
             ).__dict__)
             start_seq, start_ns = seq, end_ns
-        del times
         return infos
 
     def write(self, path, **kwargs):

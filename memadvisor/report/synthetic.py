@@ -95,9 +95,8 @@ def make_events(events: int = 10_000, *, steps: int = 3, layers: int = 8,
             return (HOSTILE_FILE, line, "forward")
         return (model_file[0], line, model_file[2])
 
-    params = {m: ev.alloc(param_size, schema.PARAMETER, "", "aten::empty", ("model.py", 12,
-                                                                            "__init__"))
-              for m in modules}
+    for _module in modules:
+        ev.alloc(param_size, schema.PARAMETER, "", "aten::empty", ("model.py", 12, "__init__"))
     if all_categories:  # the categories a plain fp32 model does not have, for worst cases
         ev.alloc(MIB // 2, schema.OTHER, "", "", ("", 0, ""))
         ev.alloc(MIB // 4, schema.BUFFER, modules[0], "aten::zeros", ("model.py", 14,
