@@ -39,6 +39,11 @@ def command(script, script_args, output, steps, timeout_s, step_boundary, quiet)
     """
     from pathlib import Path
 
+    from ..errors import UserError
+
+    # answer a mistyped path at once, before paying for importing torch
+    if not Path(script).exists():
+        raise UserError(f"{script}: no such script")
     from ..profile import profile_script
 
     output = output or f"{Path(script).stem}.trace"
