@@ -32,8 +32,8 @@ class TrackingMode(TorchDispatchMode):
         #: (module, phase, op) -> [calls, flops]; FLOPs only for the ops that dominate
         self.op_stats: dict[tuple[str, str, str], list[int]] = {}
         self.flop_counter = _FlopCounter()
-        #: the native CPU allocator hook (memadvisor.profile.native), when available
-        self.native = None
+        self._native = None
+        self._native_next_seq = None
         self._internal_blocks: dict[int, int] = {}  # data ptr -> alloc row
         #: set by the session: notices the start of backward before the op is logged
         self.before_op = lambda args, kwargs: None
@@ -43,7 +43,8 @@ class TrackingMode(TorchDispatchMode):
         self.before_op(args, kwargs)
         native = self.native
         if native is not None:
-            self._absorb_native(native.drain(), None, "")
+            # events from here on are this op's; older pending ones happened between ops
+            first_seq = self._native_next_seq()
         recorder = self.recorder
         phase = recorder.phase
         op_name = self._op_names.get(func)
@@ -62,7 +63,7 @@ class TrackingMode(TorchDispatchMode):
                 recorder.mark(storage, schema.INPUT)
         out = func(*args, **kwargs)
         if native is not None:
-            self._absorb_native(native.drain(), out, op_name)
+            self._absorb_native(native.drain_lists(), out, op_name, first_seq)
         cast = func in self.autocast_cast_ops
         for tensor in _tensors(out, None):
             storage = _storage(tensor)
@@ -87,22 +88,33 @@ class TrackingMode(TorchDispatchMode):
         stats[1] += self.flop_counter.flops(func, args, kwargs, out)
         return out
 
-    def _absorb_native(self, drained, out, op_name: str) -> None:
+    @property
+    def native(self):
+        """The native CPU allocator hook (memadvisor.profile.native), when available."""
+        return self._native
+
+    @native.setter
+    def native(self, hook) -> None:
+        self._native = hook
+        # bound once: a plain ctypes call is the cheapest way to ask it per op
+        self._native_next_seq = None if hook is None else hook._lib.ma_next_seq
+
+    def _absorb_native(self, drained, out, op_name: str, first_seq: int) -> None:
         """Merge the allocator hook's events of one op, in the allocator's order: output
         storages are logged where they were allocated, kernel-internal blocks (oneDNN
-        scratch, reorders) as raw buffers, so the peak inside the op is exact."""
-        kinds, ptrs, sizes = drained
-        if not len(kinds):
+        scratch, reorders) as raw buffers, so the peak inside the op is exact.  Events
+        before ``first_seq`` happened between ops: only frees of internal blocks matter."""
+        kinds, ptrs, sizes, seqs = drained
+        if not kinds:
             return
         outputs = {}
-        if out is not None:
+        if out is not None and seqs[-1] >= first_seq:
             # new storages, and known ones an op may have re-allocated (out= resize)
             for tensor in _tensors(out, None):
                 storage = _storage(tensor)
                 if storage is not None:
                     outputs[storage.data_ptr()] = (tensor, storage)
         internal = self._internal_blocks
-        kinds, ptrs, sizes = kinds.tolist(), ptrs.tolist(), sizes.tolist()
         # an address can serve a scratch block first and the output after it: the output
         # is the last allocation at its address in this op
         last_alloc = {}
@@ -110,9 +122,9 @@ class TrackingMode(TorchDispatchMode):
             if kind > 0 and ptr in outputs:
                 last_alloc[ptr] = index
         source = None
-        for index, (kind, ptr, size) in enumerate(zip(kinds, ptrs, sizes)):
+        for index, (kind, ptr, size, seq) in enumerate(zip(kinds, ptrs, sizes, seqs)):
             if kind > 0:
-                if out is None:
+                if seq < first_seq:
                     continue  # made between ops (torch.tensor(list), ...): logged at first use
                 if last_alloc.get(ptr) == index:
                     tensor, storage = outputs[ptr]
@@ -201,19 +213,31 @@ def _storage(tensor):
         return None
 
 
-def _tensors(args, kwargs):
-    """Every plain tensor in args/kwargs/outputs (one level of lists, as aten uses)."""
-    stack = [args] if kwargs is None else [args, tuple(kwargs.values())]
-    while stack:
-        value = stack.pop()
+def _tensors(args, kwargs) -> list:
+    """Every plain tensor in args/kwargs/outputs (lists nested as aten uses them; wrapper
+    subclasses such as DTensor looked through).  A list, not a generator: this runs
+    several times per op and a plain loop is the cheapest."""
+    found = []
+    pending = None
+    for value in (args if kwargs is None or not kwargs else (*args, *kwargs.values())) \
+            if isinstance(args, (list, tuple)) else (args,):
+        if type(value) is _Tensor:
+            found.append(value)
+        elif isinstance(value, _Tensor) or isinstance(value, (list, tuple)):
+            if pending is None:
+                pending = []
+            pending.append(value)
+    while pending:
+        value = pending.pop()
         if isinstance(value, _Tensor):
             if type(value) is not _Tensor and is_traceable_wrapper_subclass(value):
                 inner_names, _ = value.__tensor_flatten__()
-                stack.extend(getattr(value, name) for name in inner_names)
+                pending.extend(getattr(value, name) for name in inner_names)
             else:
-                yield value
+                found.append(value)
         elif isinstance(value, (list, tuple)):
-            stack.extend(value)
+            pending.extend(value)
+    return found
 
 
 def _is_parameter_cast(recorder: EventRecorder, args) -> bool:

@@ -373,6 +373,24 @@ class AllocatorHook:
             return chunks[0]
         return tuple(np.concatenate(parts) for parts in zip(*chunks))  # type: ignore
 
+    def drain_lists(self) -> tuple[list, list, list, list]:
+        """Pending events as Python lists (kinds, ptrs, sizes, seqs), oldest first: the
+        cheapest form for a caller that walks them in Python (called after every op)."""
+        cap = self._cap
+        k, p, s = self._addr
+        n = self._drain_ex(k, p, s, self._seq_addr, cap)
+        if n == 0:
+            return [], [], [], []
+        kinds, ptrs = self._kinds[:n].tolist(), self._ptrs[:n].tolist()
+        sizes, seqs = self._sizes[:n].tolist(), self._seqs[:n].tolist()
+        while n == cap:
+            n = self._drain_ex(k, p, s, self._seq_addr, cap)
+            kinds += self._kinds[:n].tolist()
+            ptrs += self._ptrs[:n].tolist()
+            sizes += self._sizes[:n].tolist()
+            seqs += self._seqs[:n].tolist()
+        return kinds, ptrs, sizes, seqs
+
     @property
     def next_seq(self) -> int:
         return self._lib.ma_next_seq()
