@@ -41,6 +41,8 @@ _OTHER = CATEGORY_CODE[schema.OTHER]
 class Unit:
     path: str
     parameter_bytes: float  #: unsharded bytes of the unit's own parameters (now)
+    #: (first allocation, last event of the unit's work) in forward and in backward: the
+    #: work ends with the frees after its last allocation, before the next allocation
     forward: tuple[float, float]
     backward: tuple[float, float]
 
@@ -78,13 +80,24 @@ def _spans(timeline: Timeline, blocks: list[str]) -> list[tuple]:
             if name == path or name.startswith(path + "."):
                 block_of_module[code] = index
     event_block = np.where(allocs, block_of_module[timeline.event_module], -1)
+    alloc_events = np.flatnonzero(allocs)
+    phase_last = {phase: _phase_span(timeline, phase)[1] for phase in (_FORWARD, _BACKWARD)}
+
+    def end(last: int, phase: int) -> float:
+        # the unit's work ends with the frees after its last allocation (its temporaries,
+        # the saved tensors its backward used): the event before the next allocation
+        following = np.searchsorted(alloc_events, last, side="right")
+        after = alloc_events[following] if following < len(alloc_events) else timeline.n_events
+        return float(max(last, min(after - 1, phase_last[phase])))
+
     spans = []
     for index, path in enumerate(blocks):
         hit = event_block == index
         fwd = np.flatnonzero(hit & (timeline.event_phase == _FORWARD))
         bwd = np.flatnonzero(hit & (timeline.event_phase == _BACKWARD))
         if len(fwd) and len(bwd):
-            spans.append((path, (float(fwd[0]), float(fwd[-1])), (float(bwd[0]), float(bwd[-1]))))
+            spans.append((path, (float(fwd[0]), end(int(fwd[-1]), _FORWARD)),
+                          (float(bwd[0]), end(int(bwd[-1]), _BACKWARD))))
     return spans
 
 
@@ -175,31 +188,9 @@ def shard_additions(timeline: Timeline, shard: str, blocks: list[str],
         notes["ddp_bucket_bytes"] = grad_bytes_total
     elif shard in ("zero2", "zero3"):
         param_total = float(timeline.size[param].sum())
-        forward, backward = _phase_span(timeline, _FORWARD), _phase_span(timeline, _BACKWARD)
         units = _units(timeline, blocks, {b: f * param_total
                                           for b, f in block_parameter_fraction.items()})
-        root_bytes = param_total - sum(u.parameter_bytes for u in units)
-        # the root unit's parameters stay gathered through forward and backward
-        add(root_bytes, forward[0] - 0.5, backward[1] + 0.5, _PARAM)
-        grad_fraction = grad_bytes_total / max(param_total, 1.0)
-        previous_forward_start = forward[0] - 0.5
-        for index, unit in enumerate(units):
-            nbytes = unit.parameter_bytes
-            start = min(previous_forward_start, unit.forward[0] - 0.5)
-            if shard == "zero2":
-                add(nbytes, start, unit.backward[1] + 0.5, _PARAM)
-            else:
-                add(nbytes, start, unit.forward[1] + 0.5, _PARAM)
-                # backward gather prefetched one unit ahead (units run in reverse)
-                later = units[index + 1].backward[0] - 0.5 if index + 1 < len(units) \
-                    else unit.backward[0] - 0.5
-                add(nbytes, min(later, unit.backward[0] - 0.5), unit.backward[1] + 0.5,
-                    _PARAM, _BACKWARD)
-            add(nbytes * grad_fraction, unit.backward[0] - 0.25, unit.backward[1] + 0.75,
-                _GRAD, _BACKWARD)
-            previous_forward_start = unit.forward[0] - 0.5
-        _collective_buffers(add, shard, units, root_bytes, grad_fraction, forward, backward,
-                            copies or {})
+        _fsdp_rows(add, timeline, shard, units, param_total, copies or {})
         notes["units"] = [u.path for u in units] + ["(root)"]
     rows = {"size": np.asarray(additions["size"], float),
             "alloc_key": np.asarray(additions["alloc_key"], float),
@@ -209,30 +200,167 @@ def shard_additions(timeline: Timeline, shard: str, blocks: list[str],
     return rows, notes
 
 
-def _collective_buffers(add, shard: str, units: list[Unit], root_bytes: float,
-                        grad_fraction: float, forward: tuple, backward: tuple,
-                        copies: dict) -> None:
-    """FSDP2's flat communication buffers, as seen in its traces: each all-gather writes a
-    unit-sized output buffer (copied out into the parameters, freed when the next gather
-    comes), each reduce-scatter reads a unit-sized input buffer (the gradients copied in,
-    freed at the next reduce-scatter); a backend that copies (gloo) adds short-lived raw
-    blocks of the same size."""
-    gathers = [(root_bytes, forward[0] - 0.5)] + [
-        (u.parameter_bytes, u.forward[0] - 0.5) for u in units]
+# --- FSDP2 (zero2 / zero3) ---------------------------------------------------------------------
+#: Offsets of FSDP2's hook work from a unit's span on the step's event axis.  Pre-forward
+#: work sits in the half event before the unit's first forward allocation (the root's
+#: before any unit's); the forward's end (root post-forward) half an event after its last
+#: event; the root's pre-backward just before the backward's first event; a unit's
+#: pre-backward just after the event before the unit's first backward allocation, below
+#: the smallest key step of a checkpoint recompute, which is replayed there after the
+#: parameters are gathered; post-backward work in the half event after the unit's last
+#: backward allocation (the root's after every unit's).
+_ROOT_PRE_FORWARD, _UNIT_PRE_FORWARD = -0.5, -0.4
+_ROOT_PRE_BACKWARD, _PRE_BACKWARD, _EPS = -0.4, -1.0, 1e-6
+_UNIT_POST_BACKWARD, _ROOT_POST_BACKWARD, _LAST_SCATTER_FREE = 0.5, 0.7, 0.9
+#: post-backward order: reshard, free the previous reduce-scatter input, allocate this
+#: one, free the unsharded gradients (copied in), allocate the sharded ones, backend copies
+_RESHARD, _PREVIOUS_SCATTER, _SCATTER, _UNSHARDED_GRAD_FREE, _SHARDED_GRAD, _SCATTER_COPY = (
+    0.01, 0.02, 0.03, 0.04, 0.05, 0.06)
+
+
+def _post_backward_keys(timeline: Timeline, blocks: list[str]) -> tuple[list[float], float]:
+    """Post-backward key of each unit with spans (``_units`` order) and of the root."""
+    spans = _units(timeline, blocks, {})
+    backward = _phase_span(timeline, _BACKWARD)
+    return ([u.backward[1] + _UNIT_POST_BACKWARD for u in spans],
+            backward[1] + _ROOT_POST_BACKWARD)
+
+
+def fsdp_layout(timeline: Timeline, blocks: list[str]) -> Timeline:
+    """The lifetimes FSDP2 gives gradients (zero2 and zero3 alike): each gradient made in
+    the step's backward exists unsharded (a temporary of its full size, added here) from
+    the op that makes it until its unit's reduce-scatter has copied it in, and sharded (the
+    original row, which ``shard_sizes`` shrinks) from there on.  A unit is a block of
+    ``blocks``; gradients of other modules belong to the root, reduced after every unit."""
+    grad = np.flatnonzero((timeline.category == _GRAD) & (timeline.phase == _BACKWARD)
+                          & (timeline.alloc_key >= 0) & (timeline.size > 0))
+    if not len(grad) or not _phase_span(timeline, _BACKWARD)[1]:
+        return timeline
+    unit_keys, root_key = _post_backward_keys(timeline, blocks)
+    spans = [u.path for u in _units(timeline, blocks, {})]
+    unit_of_module = np.full(len(timeline.modules), -1)
+    for index, path in enumerate(spans):
+        for code, name in enumerate(timeline.modules):
+            if name == path or name.startswith(path + "."):
+                unit_of_module[code] = index
+    keys = np.append(np.asarray(unit_keys, float), root_key)
+    post = keys[unit_of_module[timeline.module[grad]]]  # -1 -> the root's key
+    # a gradient made after its unit's reduce-scatter (module attribution off): the root's
+    post = np.where(post > timeline.alloc_key[grad], post, root_key)
+    ok = post > timeline.alloc_key[grad]
+    grad, post = grad[ok], post[ok]
+    if not len(grad):
+        return timeline
+    alloc_key = timeline.alloc_key.copy()
+    original = alloc_key[grad].copy()
+    alloc_key[grad] = np.minimum(post + _SHARDED_GRAD, timeline.free_key[grad])
+    out = timeline.retimed(alloc_key, timeline.free_key)
+    return out.appended({
+        "size": timeline.size[grad], "alloc_key": original,
+        "free_key": np.minimum(post + _UNSHARDED_GRAD_FREE, timeline.free_key[grad]),
+        "category": np.full(len(grad), CATEGORY_CODE[schema.TEMPORARY], np.int8),
+        "dtype": timeline.dtype[grad], "module": timeline.module[grad],
+        "phase": np.full(len(grad), _BACKWARD, np.int8), "op": timeline.op[grad],
+        "shape": timeline.shape[grad]})
+
+
+def _earliest_backward_rows(timeline: Timeline, paths: list[str]) -> np.ndarray:
+    """Earliest allocation key of a backward row (a recomputed one included) of each unit
+    in ``paths`` and, last, of any module (inf where none)."""
+    rows = (timeline.phase == _BACKWARD) & (timeline.alloc_key >= 0) & (timeline.size > 0)
+    keys = timeline.alloc_key
+    out = np.full(len(paths) + 1, np.inf)
+    if rows.any():
+        out[-1] = float(keys[rows].min())
+    names = np.asarray(timeline.modules, dtype=object)
+    for index, path in enumerate(paths):
+        member = np.array([n == path or n.startswith(path + ".") for n in names], bool)
+        hit = rows & member[timeline.module]
+        if hit.any():
+            out[index] = float(keys[hit].min())
+    return out
+
+
+def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_total: float,
+               copies: dict) -> None:
+    """FSDP2's gathered parameters and flat collective buffers, in the order its hooks run
+    (as seen in traces of ``fully_shard`` on gloo; program order, so the same on NCCL):
+
+    * pre-forward of each unit (the root first): the all-gather writes a flat buffer of
+      the unit's (unsharded) bytes, copied out into the parameters; the previous unit's
+      buffer is freed after that copy-out (the last one at the forward's end);
+    * zero3 frees a unit's parameters after its forward (the root's at the forward's
+      end) and gathers them again in backward: the root's pre-backward gathers the root
+      and prefetches the last unit's buffer; each unit's pre-backward copies its buffer out
+      into the parameters, frees it and prefetches the next unit's (reverse order);
+      zero2 keeps the parameters from the forward gather;
+    * post-backward of each unit (the root last): parameters freed, the previous
+      reduce-scatter input freed, this one allocated (the unit's gradient bytes), the
+      unsharded gradients copied in and freed and the sharded ones made (``fsdp_layout``);
+    * a backend that copies (gloo) adds raw blocks of the buffer's size: one at a time per
+      all-gather, two at once per reduce-scatter.
+    """
+    forward, backward = _phase_span(timeline, _FORWARD), _phase_span(timeline, _BACKWARD)
+    root_bytes = param_total - sum(u.parameter_bytes for u in units)
+    grad_fraction = gradient_bytes(timeline) / max(param_total, 1.0)
+    gather_copies = min(int(copies.get("all_gather", 0)), 1)
+    scatter_copies = int(copies.get("reduce_scatter", 0))
+    forward_end = forward[1] + 0.5
+    # (bytes, pre-forward key, end of forward, first backward allocation, post-backward key)
+    order = [(root_bytes, forward[0] + _ROOT_PRE_FORWARD, forward_end, backward[0],
+              backward[1] + _ROOT_POST_BACKWARD)] + [
+        (u.parameter_bytes, u.forward[0] + _UNIT_PRE_FORWARD, u.forward[1] + 0.5,
+         u.backward[0], u.backward[1] + _UNIT_POST_BACKWARD) for u in units]
+
+    # forward: buffer, backend copy, copy-out into the parameters, previous buffer freed
+    previous = None
+    for nbytes, pre, end, _, post in order:
+        key = pre + 0.01
+        if gather_copies:
+            add(nbytes, key + 0.01, key + 0.02, _OTHER)
+        add(nbytes, key + 0.03, end if shard == "zero3" else post + _RESHARD, _PARAM)
+        if previous is not None:
+            add(previous[0], previous[1], key + 0.04, _OTHER)
+        previous = (nbytes, key)
+    if previous is not None:
+        add(previous[0], previous[1], forward_end + 0.02, _OTHER)
     if shard == "zero3":
-        gathers += [(u.parameter_bytes, u.backward[0] - 0.5) for u in reversed(units)]
-    for index, (nbytes, key) in enumerate(gathers):
-        following = gathers[index + 1][1] if index + 1 < len(gathers) else forward[1]
-        add(nbytes, key + 0.05, max(following, key) + 0.3, _OTHER)
-        for copy in range(int(copies.get("all_gather", 0))):
-            add(nbytes, key + 0.06, key + 0.07, _OTHER)
-    scatters = [(u.parameter_bytes * grad_fraction, u.backward[1] + 0.6)
-                for u in reversed(units)] + [(root_bytes * grad_fraction, backward[1] + 0.6)]
-    for index, (nbytes, key) in enumerate(scatters):
-        following = scatters[index + 1][1] if index + 1 < len(scatters) else backward[1] + 0.6
-        add(nbytes, key, max(following, key) + 0.05, _OTHER, _BACKWARD)
-        for copy in range(int(copies.get("reduce_scatter", 0))):
-            add(nbytes, key + 0.01, key + 0.02, _OTHER, _BACKWARD)
+        # backward: the root gathers itself and prefetches the last unit's buffer; each
+        # unit (in reverse) copies its buffer out, frees it and prefetches the next one.
+        # A unit recomputed by a checkpoint before its backward (a region holding several
+        # units) is gathered by its pre-forward in the recompute, in forward order.
+        sequence = [order[0]] + order[:0:-1]
+        earliest = _earliest_backward_rows(timeline, [u.path for u in units])
+        root_base = min(backward[0] + _ROOT_PRE_BACKWARD, earliest[-1] - 30 * _EPS)
+        bases = [root_base] + [
+            min(max(first + _PRE_BACKWARD, root_base) + 10 * _EPS, early - 20 * _EPS)
+            for (_, _, _, first, _), early in zip(sequence[1:], earliest[-2::-1])]
+        buffer_key = None
+        for index, (nbytes, _, _, _, post) in enumerate(sequence):
+            base = bases[index]
+            if buffer_key is None:  # nothing prefetched it: it gathers its own
+                buffer_key = base + _EPS
+                if gather_copies:
+                    add(nbytes, base + 2 * _EPS, base + 3 * _EPS, _OTHER, _BACKWARD)
+            add(nbytes, base + 3 * _EPS, post + _RESHARD, _PARAM, _BACKWARD)
+            add(nbytes, buffer_key, base + 4 * _EPS, _OTHER, _BACKWARD)
+            buffer_key = None
+            if index + 1 < len(sequence) and bases[index + 1] > base + 7 * _EPS:
+                buffer_key = base + 5 * _EPS
+                if gather_copies:
+                    add(sequence[index + 1][0], base + 6 * _EPS, base + 7 * _EPS, _OTHER,
+                        _BACKWARD)
+    # post-backward: reduce-scatter input buffers (units in reverse, the root last)
+    scatters = [(u.parameter_bytes * grad_fraction, u.backward[1] + _UNIT_POST_BACKWARD)
+                for u in reversed(units)] + [(root_bytes * grad_fraction,
+                                              backward[1] + _ROOT_POST_BACKWARD)]
+    scatters.sort(key=lambda s: s[1])
+    for index, (nbytes, post) in enumerate(scatters):
+        end = (scatters[index + 1][1] + _PREVIOUS_SCATTER if index + 1 < len(scatters)
+               else backward[1] + _LAST_SCATTER_FREE)
+        add(nbytes, post + _SCATTER, end, _OTHER, _BACKWARD)
+        for _ in range(scatter_copies):
+            add(nbytes, post + _SCATTER_COPY, post + _SCATTER_COPY + 0.005, _OTHER, _BACKWARD)
 
 
 def communication_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: float) -> float:

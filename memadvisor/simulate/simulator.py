@@ -5,7 +5,8 @@ Order (fixed; each step sees what the previous ones made):
 1. checkpoint      lifetimes of saved activations, recompute in backward
 2. precision       dtypes and sizes, autocast copies, fp32 islands
 3. optimizer       state and step temporaries of the new optimizer; device rules
-                   (foreach temporaries on a CUDA target)
+                   (foreach temporaries on a CUDA target); under zero2/zero3 the
+                   gradients' FSDP lifetimes (unsharded until their reduce-scatter)
 4. batch           batch-dependent sizes scaled to the micro-batch B / (world * accum)
 5. sharding        per-rank shards, gathered units, DDP buckets
 6. offload         state / shards / saved activations moved to the host
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from ..plan import Plan, PlanError, repeated_blocks, resolve_checkpoint
+from ..plan import FSDP_SHARDS, Plan, PlanError, repeated_blocks, resolve_checkpoint
 from ..trace import schema
 from ..trace.io import Trace
 from . import allocator as allocator_model
@@ -37,7 +38,7 @@ from .offload import apply_offload, offload_activations
 from .optimizer_swap import apply_optimizer_swap
 from .precision import apply_precision, scaler_bytes
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline, replay_events
-from .sharding import apply_sharding
+from .sharding import apply_sharding, fsdp_layout
 
 
 @dataclass
@@ -127,7 +128,10 @@ def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
             timeline.order()
             cache[key] = timeline
     timeline = apply_optimizer_swap(timeline, plan.optimizer)
-    return _device_optimizer_rules(timeline, base, hw, plan)
+    timeline = _device_optimizer_rules(timeline, base, hw, plan)
+    if plan.shard in FSDP_SHARDS:
+        timeline = fsdp_layout(timeline, base.blocks)
+    return timeline
 
 
 def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None = None,
@@ -172,7 +176,8 @@ def _regions(base: Baseline, plan: Plan, cache: dict | None) -> list[str]:
 def _layout_key(regions: list[str], plan: Plan, hw: Hardware) -> tuple:
     """What fixes a plan's lifetimes: ``transform``'s cache key plus activation offload."""
     return (tuple(regions), plan.precision, plan.optimizer, "optimizer" in plan.offload,
-            hw.device_type, rewrites_loop(plan), "activations" in plan.offload)
+            hw.device_type, rewrites_loop(plan), plan.shard in FSDP_SHARDS,
+            "activations" in plan.offload)
 
 
 def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
