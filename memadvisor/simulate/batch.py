@@ -13,6 +13,10 @@ dimension is
 * a kernel's raw block (dtype ``bytes``, no shape) scales when its byte size equals that of
   a batch-scaled tensor of the same module (a convolution backward's im2col buffer).
 
+A storage resized in place (op ``UntypedStorage.resize_``: FSDP's unsharded parameters in
+a trace profiled under FSDP) records its byte count as its shape and is never scaled by
+shape.
+
 The script's input batch does not scale: ``apply`` hands each rank and micro-step a slice
 (a view) of the batch the script loaded, whose storage stays whole.
 
@@ -31,6 +35,7 @@ from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 _SCALING_CATEGORIES = tuple(CATEGORY_CODE[c] for c in (
     schema.ACTIVATION, schema.TEMPORARY, schema.OTHER, schema.AUTOCAST_WEIGHT))
 _SCALING_PHASES = (PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD])
+RESIZE_OP = "UntypedStorage.resize_"  #: the profiler's op for a storage resized in place
 
 
 def batch_multiples(batch: dict) -> set[int]:
@@ -61,7 +66,10 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
         other = (first % size == 0) & (first > 0) & ~is_param_shape & (size > 1) & (ndim >= 2)
         by_shape = exact | other
         raw = timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
-        flags = (by_shape[inverse] & ~raw
+        # a storage resized in place (FSDP's unsharded parameters) records its byte count
+        # as its shape: no tensor shape to go by
+        resized = timeline.op_in((RESIZE_OP,))
+        flags = (by_shape[inverse] & ~raw & ~resized
                  & np.isin(timeline.category, _SCALING_CATEGORIES)
                  & np.isin(timeline.phase, _SCALING_PHASES))
         flags |= raw & _sized_like_batch_rows(timeline, flags) & np.isin(

@@ -121,7 +121,11 @@ def _running_before(positions: np.ndarray, running: np.ndarray, starts: np.ndarr
 
 class LayoutBounds:
     def __init__(self, timeline: Timeline, blocks: list[str], fractions: dict[str, float],
-                 copies: dict | None = None):
+                 copies: dict | None = None, sharded: Timeline | None = None,
+                 kinds: tuple[str, ...] = SHARD_KINDS):
+        """``sharded``: the timeline the data-parallel rows are derived from where it is not
+        ``timeline`` itself (``transform`` shards before it offloads activations);
+        ``kinds``: the data-parallel modes this layout answers (others: None)."""
         self.timeline = timeline
         rows = len(timeline)
         order = timeline.order()
@@ -137,8 +141,9 @@ class LayoutBounds:
         bounds = np.searchsorted(self.event_group[by_group], np.arange(GROUPS + 1))
         self.members = [by_group[bounds[g]:bounds[g + 1]] for g in range(GROUPS)]
         self.blocks, self.fractions = blocks, fractions
-        rows_by_kind = {kind: shard_additions(timeline, kind, blocks, fractions, copies)[0]
-                        for kind in SHARD_KINDS}
+        rows_by_kind = {kind: shard_additions(sharded if sharded is not None else timeline,
+                                              kind, blocks, fractions, copies)[0]
+                        for kind in kinds}
         keys = np.concatenate([np.concatenate([r["alloc_key"], r["free_key"] - FREE_FIRST])
                                for r in rows_by_kind.values()])
         self.slot_positions = np.unique(np.searchsorted(self.sorted_keys, keys, side="right"))
@@ -179,7 +184,8 @@ class LayoutBounds:
         for kind, rows_added in rows_by_kind.items():
             self.additions[kind] = _Additions(self, rows_added) if len(rows_added["size"]) \
                 else None
-        self.additions["zero1"] = self.additions["ddp"]
+        if "ddp" in self.additions:
+            self.additions["zero1"] = self.additions["ddp"]
         self.share: dict[int, float] = {}
         del self.sorted_keys  # only placed the additions
 
@@ -223,7 +229,7 @@ class LayoutBounds:
     # --- evaluation ---------------------------------------------------------------------
     def peak_bytes(self, plan: Plan, batch_factor: float) -> int | None:
         """The plan's peak (``accumulated_peak(...).bytes``), or None when not expressible."""
-        if not self.supported or not self.n:
+        if not self.supported or not self.n or plan.shard not in self.additions:
             return None
         share = 1.0
         if plan.shard == "zero1":

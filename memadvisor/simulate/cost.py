@@ -96,6 +96,8 @@ def flops_from_shapes(timeline, meta) -> dict[str, float]:
         if not dims:
             continue
         numel = float(np.prod(dims))
+        if not numel:  # an empty tensor (or a storage resized to nothing)
+            continue
         flops = 0.0
         if op in _LINEAR_OPS and owned.get(module):
             flops = 2.0 * owned[module] * numel / dims[-1]

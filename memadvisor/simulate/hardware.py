@@ -129,6 +129,13 @@ DEVICE_RULES = {
         "fp16_autocast": False,
         #: gloo's all-gather / reduce-scatter copy their buffers (raw blocks seen on CPU)
         "collective_copies": {"all_gather": 1, "reduce_scatter": 2},
+        #: oneDNN's bf16 matmul allocates a scratch block per call (fp32 gemm: none);
+        #: sizes fitted to torch 2.13's CPU traces (precision.matmul_scratch_bytes)
+        "matmul_scratch": {
+            "ops": frozenset({"aten::mm", "aten::addmm"}), "dtypes": ("bfloat16",),
+            "accumulator_blocks": (128, 64), "packed_bytes_per_inner": 256,
+            "overhead": 1664, "weight_gradient_block": 64,
+            "weight_gradient_overhead": 1792, "min_inner": 32},
     },
     "cuda": {
         "autocast_lower": _LOWER_COMMON,
@@ -137,6 +144,7 @@ DEVICE_RULES = {
         "dropout_mask_itemsize": 1,  #: native_dropout bool mask
         "fp16_autocast": True,
         "collective_copies": {"all_gather": 0, "reduce_scatter": 0},  #: NCCL works in place
+        "matmul_scratch": None,  #: cuBLAS's workspace is not a tensor allocation
     },
 }
 

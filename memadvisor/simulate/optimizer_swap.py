@@ -87,9 +87,12 @@ def apply_optimizer_swap(timeline: Timeline, optimizer: str) -> Timeline:
     params = np.flatnonzero(timeline.category_mask(schema.PARAMETER) & (timeline.size > 0))
     dtype_names = timeline.dtype_names()
     sizes, temps = [], []
+    shapeless = timeline.op_in(("UntypedStorage.resize_",)) | timeline.dtype_in(("bytes",))
     for row in params:
         itemsize = DTYPE_BYTES.get(str(dtype_names[row]), 4)
         shape = str(timeline.shape[row])
+        if shapeless[row]:  # a byte count, not a tensor shape: one flat tensor
+            shape = str(int(timeline.size[row]) // itemsize)
         sizes.append(state_bytes(shape, itemsize, optimizer))
         temps.append(temporary_bytes(shape, itemsize, optimizer))
     sizes = np.asarray(sizes, float)

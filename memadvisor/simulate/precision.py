@@ -66,7 +66,110 @@ def apply_precision(timeline: Timeline, precision: str, device_type: str,
         out = _pure_bf16(timeline, device_type)
     else:
         out = _autocast(timeline, low, device_type, module_parameter_bytes or {}, regions)
+    out = _matmul_scratch(out, len(timeline), low, device_type)
     return _fp32_outputs(out, len(timeline))
+
+
+def _dims(shape) -> list[int]:
+    try:
+        return [int(d) for d in str(shape).split(",")] if shape else []
+    except ValueError:
+        return []
+
+
+def matmul_scratch_bytes(rule: dict, rows: int, cols: int, inner: int,
+                         weight_gradient: bool) -> tuple[float, float]:
+    """(batch-independent, batch-proportional) bytes of the scratch block a 16-bit matmul
+    making a ``rows x cols`` output over ``inner`` allocates (``rule``: the target's
+    ``matmul_scratch`` device rule).  Forward and input-gradient matmuls: an fp32
+    accumulator of ``rows`` x a column block, the packed right operand (``inner`` x a fixed
+    width, 16-bit) and a constant; a weight gradient (left operand a transposed view):
+    also a 16-bit copy of that operand, over at least ``min_inner`` rows."""
+    if weight_gradient:
+        block = min(cols, rule["weight_gradient_block"])
+        padded = max(inner, rule["min_inner"])
+        fixed = rows * block * 4 + rule["weight_gradient_overhead"]
+        per_inner = (rows * 2 + rule["packed_bytes_per_inner"]) * padded
+        # the inner dimension is the batch rows: it scales unless padded up
+        return (fixed, per_inner) if inner > rule["min_inner"] else (fixed + per_inner, 0.0)
+    block = next((b for b in rule["accumulator_blocks"] if cols % b == 0), cols)
+    return (inner * rule["packed_bytes_per_inner"] + rule["overhead"], rows * block * 4.0)
+
+
+def _matmul_scratch(out: Timeline, original_rows: int, low: str,
+                    device_type: str) -> Timeline:
+    """The scratch blocks 16-bit matmuls allocate on targets with a ``matmul_scratch``
+    rule (oneDNN's bf16 matmul on CPU: none in an fp32 trace, MKL's fp32 gemm allocates
+    none).  Each is a raw block made right after the matmul's output and freed at once;
+    the inner dimension comes from the module's 2-D parameters (a Linear's weight), the
+    rows of a weight gradient's inner dimension from the module's forward matmul."""
+    rule = device_rules(device_type).get("matmul_scratch")
+    if not rule or low not in rule["dtypes"]:
+        return out
+    rows = np.arange(original_rows)
+    matmul = rows[out.op_in(rule["ops"])[rows] & out.dtype_in((low,))[rows]
+                  & (out.alloc_key[rows] >= 0) & (out.size[rows] > 0)
+                  & np.isin(out.phase[rows], (_FORWARD, _BACKWARD))]
+    if not len(matmul):
+        return out
+    weights: dict[int, list[tuple[int, int]]] = {}
+    for row in np.flatnonzero(out.category_mask(schema.PARAMETER)):
+        dims = _dims(out.shape[row])
+        if len(dims) == 2:
+            weights.setdefault(int(out.module[row]), []).append((dims[0], dims[1]))
+    forward_rows: dict[int, tuple[int, bool]] = {}  #: module -> (rows, scales with batch)
+    for row in matmul[out.phase[matmul] == _FORWARD]:
+        dims = _dims(out.shape[row])
+        if len(dims) == 2:
+            forward_rows.setdefault(int(out.module[row]),
+                                    (dims[0], bool(out.scales_with_batch[row])))
+    gradient = CATEGORY_CODE[schema.GRADIENT]
+    add: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
+                                             "phase", "scales_with_batch")}
+    for row in matmul:
+        dims = _dims(out.shape[row])
+        module = int(out.module[row])
+        if len(dims) != 2 or module not in weights:
+            continue
+        m, n = dims
+        own = weights[module]
+        if out.phase[row] == _BACKWARD and (out.category[row] == gradient or (
+                (m, n) in own and not out.scales_with_batch[row])):
+            if module not in forward_rows:
+                continue
+            inner, batch_rows = forward_rows[module]
+            parts = matmul_scratch_bytes(rule, m, n, inner, True)
+            # from just before the gradient: with accumulation a later micro-step's weight
+            # gradient is a one-event instance added into .grad, the block meets it there
+            start = float(out.alloc_key[row]) - 0.3
+        else:
+            start = float(out.alloc_key[row]) + 0.3
+            batch_rows = bool(out.scales_with_batch[row])
+            if out.phase[row] == _FORWARD:
+                inner = next((k for o, k in own if o == n), None)
+            else:  # the input's gradient: over the weight's output features
+                inner = next((o for o, k in own if k == n), None)
+            if inner is None:
+                continue
+            parts = matmul_scratch_bytes(rule, m, n, inner, False)
+        for nbytes, scaled in zip(parts, (False, True)):
+            if nbytes > 0:
+                add["size"].append(nbytes)
+                add["alloc_key"].append(start)
+                add["free_key"].append(float(out.alloc_key[row]) + 0.4)
+                add["module"].append(module)
+                add["phase"].append(out.phase[row])
+                add["scales_with_batch"].append(scaled and batch_rows)
+    if not add["size"]:
+        return out
+    if schema.RAW_BYTES_DTYPE not in out.dtypes:
+        out = out.with_dtype(np.zeros(0, int), schema.RAW_BYTES_DTYPE)
+    count = len(add["size"])
+    return out.appended({**{k: np.asarray(v) for k, v in add.items()},
+                         "dtype": np.full(count, out.dtypes.index(schema.RAW_BYTES_DTYPE),
+                                          np.int16),
+                         "phase": np.asarray(add["phase"], np.int8),
+                         "shape": np.array([str(int(x)) for x in add["size"]], dtype=object)})
 
 
 def _fp32_outputs(out: Timeline, original_rows: int) -> Timeline:
@@ -251,10 +354,10 @@ def _positions(shape: str) -> tuple[int, int]:
     dims = [int(d) for d in shape.split(",")] if shape else []
     if not dims:
         return 0, 0
-    total = 1
-    for d in dims:
-        total *= d
-    return total // dims[-1], dims[-1]
+    positions = 1
+    for d in dims[:-1]:
+        positions *= d
+    return positions, dims[-1]
 
 
 def _row_positions(timeline: Timeline, rows: np.ndarray) -> tuple[list[int], list[int]]:

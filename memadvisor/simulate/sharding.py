@@ -9,15 +9,16 @@ hybrid group size):
   owns (a greedy largest-first assignment, so the biggest rank share, not total/G), plus
   DDP's buckets;
 * ``zero2`` (FSDP2, no reshard after forward): parameter, gradient and optimizer-state
-  shards (1/G of each tensor, padded to G); each unit's parameters are all-gathered at its
-  first forward allocation and stay whole until its backward ends; its gradients exist
-  unsharded during its backward until the reduce-scatter;
+  shards (1/G of each tensor, padded to G); each unit's parameters are all-gathered in its
+  pre-forward and stay whole until its post-backward; its gradients exist unsharded from
+  the op that makes them until the reduce-scatter (``fsdp_layout``);
 * ``zero3`` (FSDP2, reshard after forward): as zero2, but a unit's gathered parameters
-  are freed after its forward and gathered again for its backward; the next unit's
-  gather is prefetched while a unit computes.
+  are freed after its forward and gathered again for its backward (the next unit's
+  all-gather buffer prefetched one unit ahead).
 
 Units are the model's repeated blocks (``plan.repeated_blocks``) plus the root holding
-the remaining parameters.  Communication buffers of NCCL/gloo are outside the model.
+the remaining parameters.  FSDP2's flat all-gather / reduce-scatter buffers and gloo's
+copies of them are modelled (``_fsdp_rows``); NCCL's internal buffers are outside it.
 """
 from __future__ import annotations
 
@@ -170,7 +171,6 @@ def shard_additions(timeline: Timeline, shard: str, blocks: list[str],
     ``copies``: the target's ``collective_copies`` device rule."""
     notes: dict = {}
     param = timeline.category == _PARAM
-    grad = timeline.category == _GRAD
     grad_bytes_total = gradient_bytes(timeline)
     additions: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "category",
                                                   "phase")}

@@ -27,7 +27,7 @@ from ..trace import schema
 from ..trace.io import Trace
 from . import allocator as allocator_model
 from .accumulation import accumulated_peak, apply_accumulation
-from .batch import mark_batch_scaling, parameter_shapes, scale_batch
+from .batch import RESIZE_OP, mark_batch_scaling, parameter_shapes, scale_batch
 from .checkpoint import apply_checkpoint
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
                    work_profile)
@@ -72,6 +72,10 @@ def prepare(trace: Trace) -> Baseline:
                         f"its last complete step ({meta.steps_completed - 1})")
     timeline = build_timeline(trace)
     timeline = mark_batch_scaling(timeline, meta.batch or {}, parameter_shapes(timeline))
+    if (timeline.op_in((RESIZE_OP,)) & (timeline.size > 0)).any():
+        warnings.append("the trace resizes storages in place (FSDP's gathered parameters): "
+                        "plans are predicted from the step as recorded, those storages "
+                        "included; for shard plans profile the script without FSDP")
     if not (meta.batch or {}).get("batch_size"):
         warnings.append("the trace records no batch size: accumulation and world sizes "
                         "cannot scale activations")
@@ -197,10 +201,12 @@ def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
             timeline = _model_stage(base, plan, hw, regions, cache)
             timeline.order()
             cache[stage_key] = timeline
+        sharded = timeline
         if "activations" in plan.offload:
             timeline, _ = offload_activations(timeline)
         bounds = LayoutBounds(timeline, base.blocks, base.block_parameter_fraction,
-                              device_rules(hw.device_type)["collective_copies"])
+                              device_rules(hw.device_type)["collective_copies"], sharded,
+                              FSDP_SHARDS if plan.shard in FSDP_SHARDS else ("ddp",))
         bounds_cache[key] = bounds
     if bounds is None:
         return None
