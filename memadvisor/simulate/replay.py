@@ -167,7 +167,6 @@ class Timeline:
     def live_curve(self) -> tuple[np.ndarray, np.ndarray]:
         """(live bytes after each sorted event, sorted event index)."""
         order = self.order()
-        rows = len(self)
         deltas = np.concatenate([-self.size, self.size])[order]
         return np.cumsum(deltas), order
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from ..plan import FSDP_SHARDS, Plan, PlanError, repeated_blocks, resolve_checkpoint
+from ..plan import FSDP_SHARDS, Plan, repeated_blocks, resolve_checkpoint
 from ..trace import schema
 from ..trace.io import Trace
 from . import allocator as allocator_model

@@ -23,7 +23,7 @@ def test_small_requests_share_one_segment_and_split():
 
 def test_free_blocks_merge_and_are_reused_best_fit():
     alloc = CachingAllocator()
-    a, b, c = alloc.malloc(3 * MiB), alloc.malloc(3 * MiB), alloc.malloc(3 * MiB)
+    a, b, _c = alloc.malloc(3 * MiB), alloc.malloc(3 * MiB), alloc.malloc(3 * MiB)
     assert alloc.reserved == LARGE_BUFFER
     alloc.free(a)
     alloc.free(b)  # merges with a: one 6 MiB free block at the segment start
