@@ -94,10 +94,10 @@ def _variant(name: str, info: dict):
     info["finish_s"] = 0.0
     if name == "plain":
         yield
-    elif name in ("memadvisor", "memadvisor-no-native"):
+    elif name in ("memadvisor", "memadvisor-dispatch"):
         from memadvisor.profile import ProfileSession
 
-        kwargs = {"native_hook": False} if name == "memadvisor-no-native" else {}
+        kwargs = {"engine": "dispatch"} if name == "memadvisor-dispatch" else {}
         session = ProfileSession(**kwargs)  # no step limit: the example runs all its steps
         with session:
             yield
@@ -105,7 +105,7 @@ def _variant(name: str, info: dict):
         table, _meta = session.build()
         info["finish_s"] = time.perf_counter() - started
         info["events"] = table.num_rows
-        info["native_hook"] = getattr(session, "native_status", "n/a")
+        info["native_hook"] = f"{session.engine} engine ({session.engine_status})"
     elif name == "torch.profiler":
         from torch.profiler import ProfilerActivity, profile
 
@@ -126,8 +126,8 @@ def _variant(name: str, info: dict):
 def _variants() -> tuple[str, ...]:
     from memadvisor.profile import ProfileSession
 
-    native_switch = "native_hook" in inspect.signature(ProfileSession).parameters
-    return ("plain", "memadvisor", *(["memadvisor-no-native"] if native_switch else []),
+    engines = "engine" in inspect.signature(ProfileSession).parameters
+    return ("plain", "memadvisor", *(["memadvisor-dispatch"] if engines else []),
             "torch.profiler")
 
 
@@ -183,7 +183,7 @@ def verdict(row: dict) -> str:
     return "MISSED: " + ", ".join(problems) if problems else "ok"
 
 
-SHORT = {"plain": "plain", "memadvisor": "memadv", "memadvisor-no-native": "ma-nonat",
+SHORT = {"plain": "plain", "memadvisor": "memadv", "memadvisor-dispatch": "ma-disp",
          "torch.profiler": "torch.prof"}
 
 
@@ -225,7 +225,7 @@ def print_table(rows: list[dict]) -> None:
                  + row["finish_s"][v] for v in profiled}
         print(f"{row['example']:<15}" + "".join(f"{extra[v]:>11.2f}" for v in profiled))
     hooks = {row["example"]: row["native_hook"] for row in rows}
-    print(f"\nmemadvisor's native allocator hook: {hooks}")
+    print(f"\nmemadvisor's engine: {hooks}")
 
 
 def main(argv=None) -> int:

@@ -105,6 +105,16 @@ State& st() {
   return *s;
 }
 
+// Extension points for op_tracker.cpp, which compiles this file into its own
+// library.  Called *outside* the state mutex (the tracker takes the GIL to read
+// the Python stack, and a thread holding the GIL may be waiting for this mutex):
+// the alloc listener after the block was obtained, the free listener before it
+// is returned, so a free of p still precedes the next alloc of p.
+using AllocListener = void (*)(void* p, int64_t size);
+using FreeListener = void (*)(void* p);
+AllocListener g_alloc_listener = nullptr;
+FreeListener g_free_listener = nullptr;
+
 inline void push_event_locked(State& s, int64_t kind, void* p, int64_t size) {
   s.events.push_back(Event{kind, reinterpret_cast<uint64_t>(p), size, s.next_seq++});
 }
@@ -127,6 +137,9 @@ void ma_delete(void* p) {
     }
   }
   if (found) {
+    if (g_free_listener != nullptr) {
+      g_free_listener(p);
+    }
     if (e.deleter != nullptr) {
       e.deleter(e.ctx);
     }
@@ -172,6 +185,9 @@ struct HookAllocator final : public c10::Allocator {
     }
     c10::Device dev = dp.device();
     (void)dp.release_context();  // ownership now lives in the side table
+    if (g_alloc_listener != nullptr) {
+      g_alloc_listener(data, static_cast<int64_t>(n));
+    }
     return c10::DataPtr(data, data, &ma_delete, dev);
   }
 
@@ -256,7 +272,8 @@ bool is_writable(const void* p, size_t n) {
 // extern "C" API (see cuda_hooks/README.md)
 // ---------------------------------------------------------------------------
 
-// Installs the wrapper around the current CPU allocator.  Idempotent.
+// Installs the wrapper around the current CPU allocator.  Idempotent; called again,
+// it puts the wrapper back on top if another allocator was registered since.
 // Returns 0 on success, 1 if there is no CPU allocator, 2 if SetAllocator did
 // not take effect (someone registered at a higher priority), 3 on exception
 // or if pthread_atfork failed.
@@ -264,6 +281,12 @@ MA_API int ma_install(void) {
   try {
     std::lock_guard<std::mutex> g(g_install_mu);
     if (g_hook != nullptr) {
+      if (c10::GetAllocator(c10::DeviceType::CPU) != g_hook) {
+        // another hook went on top since (the other memadvisor library, in a process
+        // that ran both engines): take the top again.  Safe: every block keeps the
+        // deleter of the allocator that made it.
+        c10::SetAllocator(c10::DeviceType::CPU, g_hook, /*priority=*/255);
+      }
       return c10::GetAllocator(c10::DeviceType::CPU) == g_hook ? 0 : 2;
     }
     c10::Allocator* cur = c10::GetAllocator(c10::DeviceType::CPU);

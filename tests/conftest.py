@@ -14,6 +14,7 @@ through memadvisor -- so the trace can be checked against them:
 """
 from __future__ import annotations
 
+import os
 import importlib.util
 import sys
 import time
@@ -149,18 +150,20 @@ class ExampleRuns:
         self._runs: dict[str, ExampleRun] = {}
 
     def get(self, name: str) -> ExampleRun:
-        if name not in self._runs:
-            self._runs[name] = self._profile(name)
-        return self._runs[name]
+        # one run per engine ($MEMADVISOR_ENGINE, set by tests/profile/conftest.py)
+        key = f"{name}-{os.environ.get('MEMADVISOR_ENGINE', 'auto')}"
+        if key not in self._runs:
+            self._runs[key] = self._profile(name, key)
+        return self._runs[key]
 
-    def _profile(self, name: str) -> ExampleRun:
+    def _profile(self, name: str, key: str) -> ExampleRun:
         from torch.profiler import ProfilerActivity, profile
 
         from memadvisor.profile import ProfileSession, StopProfiling
         from memadvisor.trace import read_trace
 
         module = load_example(name)
-        path = self.folder / f"{name}.trace"
+        path = self.folder / f"{key}.trace"
         started = time.perf_counter()
         # the facts' hooks are registered first so that they run before the session's
         # post-hook, which raises StopProfiling at the third step

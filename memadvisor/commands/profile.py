@@ -29,8 +29,12 @@ def _progress(info: dict) -> None:
 @click.option("--step-boundary", type=click.Choice(["auto", "optimizer", "backward"]),
               default="auto", show_default=True,
               help="What ends a step: a torch.optim step, or each backward (manual updates).")
+@click.option("--engine", type=click.Choice(["auto", "native", "dispatch"]), default=None,
+              help="How ops are followed: 'native' (C++ hooks, CPU memory, least overhead), "
+                   "'dispatch' (a Python dispatch mode: CPU and CUDA).  Default 'auto': "
+                   "native without a GPU ($MEMADVISOR_ENGINE overrides).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines.")
-def command(script, script_args, output, steps, timeout_s, step_boundary, quiet):
+def command(script, script_args, output, steps, timeout_s, step_boundary, engine, quiet):
     """Run SCRIPT (as `python SCRIPT ARGS` would) for a few steps and record a memory trace.
 
     Put the script's own arguments after `--`:
@@ -49,7 +53,7 @@ def command(script, script_args, output, steps, timeout_s, step_boundary, quiet)
     output = output or f"{Path(script).stem}.trace"
     result = profile_script(script, list(script_args), output, steps=steps or None,
                             timeout_s=timeout_s, step_boundary=step_boundary,
-                            on_step=None if quiet else _progress)
+                            on_step=None if quiet else _progress, engine=engine)
     sys.stdout.flush()
     where = f"{result.trace_path} ({result.events:,} events, {result.steps_completed} steps, " \
             f"peak {format_bytes(result.peak_bytes)})"

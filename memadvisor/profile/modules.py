@@ -39,6 +39,11 @@ def _grad_tensors(value) -> list[torch.Tensor]:
     return found
 
 
+def _eager(fn):
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 def clean_path(path: str) -> str:
     """torch.compile wraps a model in an OptimizedModule whose child is ``_orig_mod``:
     name the user's modules as they wrote them."""
@@ -88,6 +93,10 @@ class ModuleTracker:
 
     # --- hooks -------------------------------------------------------------------------
     def __enter__(self):
+        # torch.compile must not trace into the hooks (weak dictionaries, our own state):
+        # they run eagerly, as a graph break
+        self._pre_forward = _eager(self._pre_forward)
+        self._post_forward = _eager(self._post_forward)
         self._handles = [register_module_forward_pre_hook(self._pre_forward),
                          register_module_forward_hook(self._post_forward, always_call=True)]
         return self
@@ -125,7 +134,7 @@ class ModuleTracker:
         def enter(*_):
             self._backward_stack.append(name)
             self._on_change(name)
-        return enter
+        return _eager(enter)
 
     def _make_backward_exit(self, name: str):
         def leave(*_):
@@ -135,7 +144,7 @@ class ModuleTracker:
                     del stack[i]
                     break
             self._on_change(self.current)
-        return leave
+        return _eager(leave)
 
     def backward_finished(self) -> None:
         """Modules whose inputs needed no grad never see their exit hook: clear at the end."""

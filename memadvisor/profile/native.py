@@ -119,10 +119,15 @@ def _torch_paths() -> tuple[str, Path, Path, int]:
 
 
 def _compile_command(cxx: str, src: Path, out: Path, include: Path, lib: Path,
-                     abi: int) -> list[str]:
-    return [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}", str(src), "-o", str(out),
-            f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"]
+                     abi: int, with_aten: bool = False) -> list[str]:
+    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}"]
+    libs = ["-lc10"]
+    if with_aten:
+        # the op tracker: ATen's RecordFunction and Python's frame API
+        cmd += [f"-I{sysconfig.get_paths()['include']}", "-Wno-c++20-extensions", "-DNDEBUG"]
+        libs = ["-ltorch_cpu", "-lc10"]
+    return cmd + [str(src), "-o", str(out), f"-L{lib}", *libs, f"-Wl,-rpath,{lib}"]
 
 
 def _first_error_line(log: str) -> str:
@@ -133,15 +138,18 @@ def _first_error_line(log: str) -> str:
     return lines[0][:300] if lines else "no output"
 
 
-def library_path(cache: str | os.PathLike | None = None) -> Path:
+def library_path(cache: str | os.PathLike | None = None,
+                 source_name: str = SOURCE_NAME) -> Path:
     """Where the library for this source, torch and Python lives in the cache (built
     or not).  The name carries a hash of the source, torch version, C++ ABI and Python
     ABI, so changing any of them means a rebuild."""
-    src = source_dir() / SOURCE_NAME
+    src_dir = source_dir()
     try:
-        source = src.read_bytes()
+        # the op tracker compiles the allocator hook in: both sources count
+        source = b"".join((src_dir / name).read_bytes()
+                          for name in dict.fromkeys((SOURCE_NAME, source_name)))
     except OSError as exc:
-        raise NativeHookUnavailable(f"cannot read {src}: {exc}") from None
+        raise NativeHookUnavailable(f"cannot read {src_dir / source_name}: {exc}") from None
     torch_version, include, _lib, abi = _torch_paths()
     key = hashlib.sha256(b"\0".join([
         source, torch_version.encode(), str(abi).encode(),
@@ -149,11 +157,11 @@ def library_path(cache: str | os.PathLike | None = None) -> Path:
         (sysconfig.get_config_var("SOABI") or "").encode(), str(include).encode(),
     ])).hexdigest()[:16]
     out_dir = Path(cache).expanduser() / "native" if cache is not None else cache_dir()
-    return out_dir / f"allocator_hook-{key}.so"
+    return out_dir / f"{Path(source_name).stem}-{key}.so"
 
 
 def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
-          force: bool = False) -> Path:
+          force: bool = False, source_name: str = SOURCE_NAME) -> Path:
     """Compile the hook (if not cached) and return the shared library's path.
 
     ``cache`` overrides ``$MEMADVISOR_CACHE``; ``compiler`` overrides
@@ -161,22 +169,23 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
     failure (the full compiler output is in the exception's ``log`` and in a ``.log``
     file next to where the library would be).
     """
-    out = library_path(cache)
+    out = library_path(cache, source_name)
     if out.is_file() and not force:
         return out
-    src = source_dir() / SOURCE_NAME
+    src = source_dir() / source_name
     _torch_version, include, lib, abi = _torch_paths()
     out_dir = out.parent
     cxx = _find_compiler(compiler)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=".allocator_hook-", suffix=".so.tmp",
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{src.stem}-", suffix=".so.tmp",
                                         dir=out_dir)
         os.close(fd)
     except OSError as exc:
         raise NativeHookUnavailable(f"cannot write to cache {out_dir}: {exc}") from None
     tmp = Path(tmp_name)
-    cmd = _compile_command(cxx, src, tmp, include, lib, abi)
+    cmd = _compile_command(cxx, src, tmp, include, lib, abi,
+                           with_aten=source_name != SOURCE_NAME)
     try:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -190,7 +199,7 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
             except OSError:
                 pass
             raise NativeHookUnavailable(
-                f"building the allocator hook failed ({Path(cxx).name} exit "
+                f"building {src.name} failed ({Path(cxx).name} exit "
                 f"{proc.returncode}): {_first_error_line(log)}", log=log)
         os.chmod(tmp, 0o755)
         os.replace(tmp, out)  # atomic: concurrent builders never see a partial file

@@ -134,15 +134,20 @@ def _warm_up_imports() -> None:
 def profile_script(script: str | os.PathLike, args: list[str] | None = None,
                    output: str | os.PathLike = "memadvisor.trace", *, steps: int | None = 3,
                    timeout_s: float | None = None, step_boundary: str = "auto",
-                   on_step=None) -> ProfileResult:
+                   on_step=None, engine: str | None = None) -> ProfileResult:
     """Profile ``script`` for ``steps`` steps and write the trace (always)."""
     script = Path(script)
     args = list(args or [])
     code = _compile_script(script)
     output = rank_output_path(output)
     _warm_up_imports()
+    if (engine or os.environ.get("MEMADVISOR_ENGINE")) == "native":
+        from .native_engine import available
+        ok, reason = available()
+        if not ok:
+            raise UserError(f"the native engine cannot run here: {reason}")
     session = ProfileSession(steps=steps, step_boundary=step_boundary, timeout_s=timeout_s,
-                             script=str(script.resolve()), on_step=on_step)
+                             script=str(script.resolve()), on_step=on_step, engine=engine)
     status, exit_code, error, tb = "completed", 0, "", ""
     with _ScriptContext(script, args) as namespace:
         try:

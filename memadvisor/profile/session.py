@@ -35,6 +35,9 @@ from .recorder import EventRecorder
 from .source import SourceLocator
 
 
+ENGINES = ("auto", "native", "dispatch")
+
+
 class StopProfiling(BaseException):
     """Raised inside the script once the requested steps are done."""
 
@@ -46,9 +49,18 @@ class StepTimeout(BaseException):
 class ProfileSession:
     def __init__(self, steps: int | None = None, *, step_boundary: str = "auto",
                  timeout_s: float | None = None, script: str | None = None,
-                 on_step: Callable[[dict], None] | None = None, native_hook: bool = True):
+                 on_step: Callable[[dict], None] | None = None, native_hook: bool = True,
+                 engine: str | None = None):
         if step_boundary not in ("auto", "optimizer", "backward"):
             raise ValueError(f"step_boundary must be auto, optimizer or backward: {step_boundary}")
+        engine = engine or os.environ.get("MEMADVISOR_ENGINE") or "auto"
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}: {engine}")
+        #: 'native' (per-op work in C++, CPU) or 'dispatch' (a Python TorchDispatchMode);
+        #: 'auto' picks native where it can run (see _choose_engine)
+        self.engine_requested = engine
+        self.engine = "dispatch"
+        self.engine_status = ""
         self.steps_requested = steps
         self.step_boundary = step_boundary
         self.timeout_s = timeout_s
@@ -95,15 +107,88 @@ class ProfileSession:
         ]
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saved_hooks.__enter__()
-        self._start_native_hook()
+        self.engine, self.engine_status = self._choose_engine()
+        if self.engine == "native":
+            self.native_status = "on"  # the op tracker includes the allocator hook
+        else:
+            self._start_native_hook()
+        self._patch_autograd()
         self._patch_storage_resize()
-        self.mode.__enter__()
+        if self.engine == "dispatch":
+            self.mode.__enter__()
         self._last_progress = time.monotonic()
         if self.timeout_s:
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                               name="memadvisor-timeout")
             self._watchdog.start()
         return self
+
+    def _choose_engine(self) -> tuple[str, str]:
+        """The native engine follows CPU memory only (c10's CPU allocator): with a GPU
+        present, 'auto' uses the dispatch engine, which sees CUDA storages too."""
+        if self.engine_requested == "dispatch":
+            return "dispatch", "requested"
+        if self.engine_requested == "auto" and torch.cuda.is_available():
+            return "dispatch", "a GPU is present (the native engine follows CPU memory only)"
+        if not self.use_native_hook:
+            return "dispatch", "native hooks switched off"
+        from .native import NativeHookUnavailable
+        from .native_engine import NativeRecorder, load_library
+        try:
+            recorder = NativeRecorder(load_library(), self.locator._classify)
+            recorder.start()
+        except NativeHookUnavailable as exc:
+            if self.engine_requested == "native":
+                raise
+            return "dispatch", f"native engine unavailable: {exc}"
+        self.recorder = recorder
+        return "native", "requested" if self.engine_requested == "native" else "auto"
+
+    def _patch_autograd(self) -> None:
+        """Backward begins where the script asks for it: wrap the two entry points of the
+        autograd engine (Tensor.backward calls the first), so that the seed gradient is
+        backward's and the frees at the end of backward are too.  The native engine has
+        no per-op Python to notice backward otherwise; the dispatch engine also notices a
+        backward that does not come through here (the first op of a graph task)."""
+        self._original_autograd = (torch.autograd.backward, torch.autograd.grad)
+        session = self
+
+        def wrap(original):
+            def run_backward(*args, **kwargs):
+                if session._in_backward:  # nested (reentrant checkpoint): one backward
+                    return original(*args, **kwargs)
+                session._native_backward_begins(args[0] if args else kwargs.get(
+                    "tensors", kwargs.get("outputs")))
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    if session._in_backward:
+                        session._backward_done()
+            run_backward.__wrapped__ = original
+            return run_backward
+
+        torch.autograd.backward = wrap(torch.autograd.backward)
+        torch.autograd.grad = wrap(torch.autograd.grad)
+
+    def _native_backward_begins(self, tensors) -> None:
+        if self.engine != "native":
+            self._in_backward = True
+            self.recorder.phase = schema.BACKWARD
+            return
+        # a trainable leaf began a forward (scripts without modules): that is where the
+        # step boundary of backward-counted steps lies
+        began = self.recorder.take_forward_begin()
+        if began >= 0:
+            self._forward_begins(at_seq=began)
+        if not self.modules.roots:
+            for leaf in _graph_leaves(tensors):
+                if id(leaf) not in self._leaves:
+                    self._leaves[id(leaf)] = weakref.ref(
+                        leaf, lambda _r, key=id(leaf): self._leaves.pop(key, None))
+                self._mark_tensor(leaf, schema.PARAMETER)
+        self._in_backward = True
+        # from here on, the seed gradient (ones_like of the loss) included
+        self.recorder.phase = schema.BACKWARD
 
     def _start_native_hook(self) -> None:
         """See allocations made inside kernels too (CPU), when the hook can be built."""
@@ -115,6 +200,9 @@ class ProfileSession:
             hook = AllocatorHook.load()
         except NativeHookUnavailable as exc:
             self.native_status = f"unavailable: {exc}"
+            return
+        if hook._lib.ma_install() != 0:  # back on top if the op tracker went there since
+            self.native_status = "unavailable: another CPU allocator is registered on top"
             return
         hook.clear()
         hook.start()
@@ -130,11 +218,36 @@ class ProfileSession:
         session = self
 
         def resize_(storage, size):
+            if session.engine == "native":
+                return session._native_resize(original, storage, size)
             result = original(storage, size)
             session._storage_resized(storage)
             return result
 
         torch.UntypedStorage.resize_ = resize_
+
+    def _native_resize(self, original, storage, size):
+        """The op tracker sees the blocks (when the storage's allocator is the hooked
+        one); name them after resize_ and carry the storage's category over."""
+        recorder = self.recorder
+        old_ptr, old_sid = storage.data_ptr(), recorder.lookup(storage)
+        recorder.op_override("UntypedStorage.resize_")
+        try:
+            result = original(storage, size)
+        finally:
+            recorder.op_override(None)
+        new_sid = recorder.lookup(storage)
+        if old_sid is not None and recorder.is_external(old_sid) and \
+                storage.data_ptr() != old_ptr:
+            recorder.external_free(old_ptr, old_sid)  # its memory went back unseen
+        if new_sid is None and storage.nbytes():
+            new_sid = recorder.alloc(storage, str(storage.device), "bytes",
+                                     str(storage.nbytes()), "UntypedStorage.resize_")
+        if old_sid is not None and new_sid is not None and new_sid != old_sid:
+            category = recorder.category_of_sid(old_sid)
+            if category is not None:
+                recorder.mark_sid(new_sid, category)
+        return result
 
     def _storage_resized(self, storage) -> None:
         recorder = self.recorder
@@ -154,7 +267,11 @@ class ProfileSession:
     def close(self) -> None:
         if not self._stack:
             return
-        self.mode.__exit__(None, None, None)
+        if self.engine == "dispatch":
+            self.mode.__exit__(None, None, None)
+        if getattr(self, "_original_autograd", None) is not None:
+            torch.autograd.backward, torch.autograd.grad = self._original_autograd
+            self._original_autograd = None
         if self._original_resize is not None:
             torch.UntypedStorage.resize_ = self._original_resize
             self._original_resize = None
@@ -197,13 +314,13 @@ class ProfileSession:
         if found and phase == schema.OTHER_PHASE:
             self._forward_begins()
 
-    def _forward_begins(self) -> None:
+    def _forward_begins(self, at_seq: int | None = None) -> None:
         if self.recorder.phase != schema.FORWARD:
             self._batch_root_seen = False  # the first root of this forward describes the batch
         if self._backward_since_forward:
             self._backward_since_forward = False
             if self._counting_backward():
-                self._boundary(self._backward_boundaries)
+                self._boundary(self._backward_boundaries, at_seq)
                 if self._stop_after_backward:
                     self.stopped_at_steps = True
                     raise StopProfiling()
@@ -221,6 +338,8 @@ class ProfileSession:
             if created is None or created == schema.OTHER_PHASE:
                 batch.append((tensor, storage))
         self._forward_begins()
+        if self.engine == "native":
+            self.recorder.set_have_roots()
         self._scan_module(module)
         for tensor, storage in batch:
             self._register_existing(tensor, storage)
@@ -252,7 +371,14 @@ class ProfileSession:
 
     def _register_existing(self, tensor, storage) -> None:
         if self.recorder.lookup(storage) is None:
-            self.mode._log_alloc(tensor, storage, "")
+            if self.engine == "native":
+                # memory the allocator hook did not make (numpy, a DataLoader worker's
+                # shared memory, unpickled or Python-made storages)
+                if tensor.device.type != "meta":
+                    self.recorder.alloc(storage, str(tensor.device), _dtype_name(tensor.dtype),
+                                        schema.shape_to_str(tensor.shape), "")
+            else:
+                self.mode._log_alloc(tensor, storage, "")
 
     def _pack(self, tensor):
         # runs inside forward for every tensor autograd saves; return it unchanged
@@ -264,6 +390,8 @@ class ProfileSession:
         return tensor
 
     def _check_backward_started(self) -> None:
+        # a backward that did not come through torch.autograd.backward/grad (see
+        # _patch_autograd): closed by an engine callback
         if not self._in_backward and torch._C._current_graph_task_id() != -1:
             self._in_backward = True
             self.recorder.phase = schema.BACKWARD
@@ -337,8 +465,9 @@ class ProfileSession:
             self._stop_after_backward = True
 
     # --- steps -------------------------------------------------------------------------
-    def _boundary(self, boundaries: list[tuple[int, int]]) -> None:
-        boundaries.append((self.recorder.now_seq(), self.recorder.now_ns()))
+    def _boundary(self, boundaries: list[tuple[int, int]], at_seq: int | None = None) -> None:
+        seq = self.recorder.now_seq() if at_seq is None else at_seq
+        boundaries.append((seq, self.recorder.now_ns()))
         self._last_progress = time.monotonic()
         cuda = (None, None)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -378,6 +507,9 @@ class ProfileSession:
         self.close()
         detection, boundaries = self.boundaries()
         table = self.recorder.to_table([seq for seq, _ in boundaries])
+        map_seq = getattr(self.recorder, "map_seq", None)
+        if map_seq is not None:  # the native engine leaves host bookkeeping out
+            boundaries = [(map_seq(seq), ns) for seq, ns in boundaries]
         meta = schema.TraceMeta(
             script=os.path.abspath(script) if script else "",
             argv=metadata.argv_of(script, list(args or [])),
@@ -386,14 +518,20 @@ class ProfileSession:
             steps_completed=len(boundaries),
             step_detection=detection,
             op_stats=[{"module": m, "phase": ph, "op": op, "calls": c, "flops": f}
-                      for (m, ph, op), (c, f) in self.mode.op_stats.items()],
+                      for (m, ph, op), (c, f) in self._op_stats().items()],
             **self._model_snapshot,
         )
         meta.steps = self._step_infos(table, boundaries)
-        meta.allocator = {"cpu_native_hook": self.native_status}
+        meta.allocator = {"cpu_native_hook": self.native_status, "engine": self.engine,
+                          "engine_reason": self.engine_status}
         if meta.device.startswith("cuda"):
             meta.allocator["settings"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         return table, meta
+
+    def _op_stats(self) -> dict:
+        if self.engine == "native":
+            return self.recorder.op_stats()
+        return self.mode.op_stats
 
     def _snapshot_model(self) -> None:
         """Describe the model and optimizers while they are alive (we hold no references)."""
@@ -449,3 +587,25 @@ def _owner_path(prefix: str, name: str) -> str:
 
 def _unpack(tensor):
     return tensor
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _graph_leaves(tensors) -> list:
+    """The trainable leaves an autograd graph ends in (its AccumulateGrad nodes)."""
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
+    pending = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn]
+    seen, leaves = set(), []
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.append(variable)
+            continue
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return leaves

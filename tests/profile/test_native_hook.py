@@ -345,7 +345,22 @@ def test_python_built_storages_bypass_the_setallocator_wrapper(hook):
     assert len(ours) < len(theirs)  # the documented gap
 
 
-def test_cover_default_allocator_closes_the_gap(hook):
+def test_cover_default_allocator_closes_the_gap():
+    """In a fresh interpreter: covering is irreversible, and it needs the hook to wrap c10's
+    default allocator directly (in this process the op tracker may sit in between)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys; sys.path.insert(0, %r); import test_native_hook as t; "
+            "from memadvisor.profile import native; "
+            "h = native.AllocatorHook.load(); h.stop(); h.drain(); t._cover_and_check(h)"
+            % str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _cover_and_check(hook):
     hook.cover_default_allocator()
     hook.cover_default_allocator()  # idempotent
     assert hook.default_covered
