@@ -5,8 +5,8 @@
 
 Each bundled example runs at a realistic CPU size, in this one process, under each
 variant: ``plain`` (nothing attached), ``memadvisor`` (a ``ProfileSession``, as
-``memadvisor profile`` runs it), ``memadvisor-no-native`` (the same without the native CPU
-allocator hook, where the session has that switch) and ``torch.profiler``
+``memadvisor profile`` runs it: the native engine on a machine without a GPU),
+``memadvisor-dispatch`` (the same with the Python dispatch-mode engine) and ``torch.profiler``
 (``profile_memory=True, with_stack=True``, the closest built-in tool).  Every variant runs
 the example's own ``main()`` with the same arguments and seed, after one untimed warm-up
 run, and the variants take turns (``--rounds`` times) so that a machine getting busier or

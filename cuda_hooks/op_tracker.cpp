@@ -124,6 +124,7 @@ struct T {
   std::atomic<int32_t> phase{OTHER};
   std::atomic<int32_t> op_override{-1};
   std::atomic<bool> have_roots{false};
+  std::atomic<bool> link_backward{true};
   std::atomic<int64_t> forward_begin_seq{-1};  // set when a leaf starts a forward
   // what the script's thread is running, for events of other threads
   std::atomic<int32_t> main_op{-1};
@@ -131,6 +132,9 @@ struct T {
   // blocks the script's thread made outside any op (a Python number wrapped into a
   // tensor while the arguments are parsed): charged to the op that starts next
   std::vector<int64_t> unattributed;
+  // autograd sequence number of a forward op -> module running it: in backward, the node
+  // with that number runs that module's backward (how torch.profiler links the two)
+  std::unordered_map<int64_t, int32_t> seq_module;
   // op table (by name) and per-name-pointer cache
   std::mutex op_mu;
   std::vector<std::string> op_names;
@@ -451,7 +455,12 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   bool leaf_rule = !t.have_roots.load(std::memory_order_relaxed) &&
                    (phase == OTHER || phase == FORWARD) && c10::GradMode::is_enabled();
   std::lock_guard<std::mutex> g(t.mu);
-  t.calls[std::make_tuple(t.module.load(std::memory_order_relaxed), phase, info.id)] += 1;
+  int32_t module = t.module.load(std::memory_order_relaxed);
+  t.calls[std::make_tuple(module, phase, info.id)] += 1;
+  if (fn.seqNr() >= 0) {
+    if (t.seq_module.size() > (1u << 22)) t.seq_module.clear();  // bounded
+    t.seq_module[fn.seqNr()] = module;
+  }
   if (!t.unattributed.empty()) {
     // a block the script's thread made just before, outside any op, that this op reads:
     // a Python number wrapped into a tensor for it.  It is this op's, with its dtype and
@@ -543,11 +552,21 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
   }
 }
 
-std::unique_ptr<at::ObserverContext> on_backward_node(const at::RecordFunction&) {
+std::unique_ptr<at::ObserverContext> on_backward_node(const at::RecordFunction& fn) {
   T& t = tt();
   if (t.on.load(std::memory_order_relaxed)) {
-    // the autograd engine runs a node: backward has begun (Python closes it)
+    // the autograd engine runs a node: backward has begun (Python closes it), in the
+    // module whose forward made the node (none known: the root, "")
     t.phase.store(BACKWARD, std::memory_order_relaxed);
+    if (t.link_backward.load(std::memory_order_relaxed)) {
+      int32_t module = 0;
+      {
+        std::lock_guard<std::mutex> g(t.mu);
+        auto it = t.seq_module.find(fn.seqNr());
+        if (it != t.seq_module.end()) module = it->second;
+      }
+      t.module.store(module, std::memory_order_relaxed);
+    }
   }
   return nullptr;
 }
@@ -624,6 +643,11 @@ MA_API void ma_t_set_phase(int32_t phase) {
 }
 MA_API int32_t ma_t_phase(void) {
   return tt().phase.load(std::memory_order_relaxed);
+}
+// Whether backward nodes set the module (from their forward op); off when Python's
+// module hooks follow backward themselves.
+MA_API void ma_t_set_link_backward(int on) {
+  tt().link_backward.store(on != 0);
 }
 MA_API void ma_t_set_have_roots(int on) {
   tt().have_roots.store(on != 0);
@@ -707,6 +731,26 @@ MA_API int32_t ma_t_category(uint64_t ptr) {
   if (it == t.live.end()) return -1;
   auto m = t.marks.find(it->second.sid);
   return m == t.marks.end() ? -1 : m->second;
+}
+// Marks many storages at once (owner -1: none); unknown[i] = 1 where nothing is live
+// at ptrs[i] (0 included).  Returns how many were unknown.
+MA_API int64_t ma_t_mark_many(const uint64_t* ptrs, const int32_t* categories,
+                              const int32_t* owners, int64_t n, uint8_t* unknown) {
+  auto& t = tt();
+  std::lock_guard<std::mutex> g(t.mu);
+  int64_t missing = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    auto it = ptrs[i] ? t.live.find(ptrs[i]) : t.live.end();
+    if (it == t.live.end()) {
+      unknown[i] = 1;
+      ++missing;
+      continue;
+    }
+    unknown[i] = 0;
+    tracker::mark_sid_locked(t, it->second.sid, categories[i]);
+    if (owners[i] >= 0) t.owners.emplace(it->second.sid, owners[i]);
+  }
+  return missing;
 }
 MA_API void ma_t_set_owner(uint64_t ptr, int32_t module) {
   auto& t = tt();
@@ -919,6 +963,7 @@ MA_API void ma_t_reset(void) {
     t.flop_calls.clear();
     t.flop_args.clear();
     t.flop_arg_ids.clear();
+    t.seq_module.clear();
   }
   t.module.store(0);
   t.phase.store(tracker::OTHER);

@@ -39,9 +39,22 @@ def _grad_tensors(value) -> list[torch.Tensor]:
     return found
 
 
-def _eager(fn):
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+def _eager(hook):
+    """torch.compile must not trace into a forward hook (weak dictionaries, our own state):
+    while dynamo traces, the hook is called through ``torch.compiler.disable`` (a graph
+    break: it runs eagerly); otherwise directly, which costs nothing extra."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    if disable is None or is_compiling is None:
+        return hook
+    eager = disable(hook)
+
+    def guarded(*args):
+        if is_compiling():
+            return eager(*args)
+        return hook(*args)
+    return guarded
 
 
 def clean_path(path: str) -> str:
@@ -56,7 +69,8 @@ class ModuleTracker:
     """Maintains ``current`` (innermost module path) and calls back on root entry."""
 
     def __init__(self, on_change: Callable[[str], None],
-                 on_root_forward: Callable[[torch.nn.Module, tuple], None]):
+                 on_root_forward: Callable[[torch.nn.Module, tuple], None],
+                 backward_hooks: bool = True):
         self._on_change = on_change
         self._on_root_forward = on_root_forward
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -65,6 +79,9 @@ class ModuleTracker:
         self._backward_stack: list[str] = []
         self._handles = []
         self._grad_hooks: list = []
+        #: False where the module of backward work is known otherwise (the native engine
+        #: links each backward node to the forward op that made it)
+        self.backward_hooks = backward_hooks
 
     # --- naming ------------------------------------------------------------------------
     def name_of(self, module: torch.nn.Module) -> str:
@@ -93,12 +110,9 @@ class ModuleTracker:
 
     # --- hooks -------------------------------------------------------------------------
     def __enter__(self):
-        # torch.compile must not trace into the hooks (weak dictionaries, our own state):
-        # they run eagerly, as a graph break
-        self._pre_forward = _eager(self._pre_forward)
-        self._post_forward = _eager(self._post_forward)
-        self._handles = [register_module_forward_pre_hook(self._pre_forward),
-                         register_module_forward_hook(self._post_forward, always_call=True)]
+        self._handles = [register_module_forward_pre_hook(_eager(self._pre_forward)),
+                         register_module_forward_hook(_eager(self._post_forward),
+                                                      always_call=True)]
         return self
 
     def __exit__(self, *exc):
@@ -114,7 +128,7 @@ class ModuleTracker:
         name = self.name_of(module)
         self._forward_stack.append(name)
         self._on_change(name)
-        if torch._C._current_graph_task_id() == -1:
+        if self.backward_hooks and torch._C._current_graph_task_id() == -1:
             inputs = _grad_tensors(args)
             if inputs:
                 self._grad_hooks.append(
@@ -124,7 +138,7 @@ class ModuleTracker:
         if self._forward_stack:
             self._forward_stack.pop()
         self._on_change(self.current)
-        if torch._C._current_graph_task_id() == -1:
+        if self.backward_hooks and torch._C._current_graph_task_id() == -1:
             outputs = _grad_tensors(output)
             if outputs:
                 self._grad_hooks.append(register_multi_grad_hook(
@@ -134,7 +148,7 @@ class ModuleTracker:
         def enter(*_):
             self._backward_stack.append(name)
             self._on_change(name)
-        return _eager(enter)
+        return enter
 
     def _make_backward_exit(self, name: str):
         def leave(*_):
@@ -144,7 +158,7 @@ class ModuleTracker:
                     del stack[i]
                     break
             self._on_change(self.current)
-        return _eager(leave)
+        return leave
 
     def backward_finished(self) -> None:
         """Modules whose inputs needed no grad never see their exit hook: clear at the end."""

@@ -75,6 +75,7 @@ _SIGNATURES = {
     "ma_t_set_phase": (None, [_I32]),
     "ma_t_phase": (_I32, []),
     "ma_t_set_have_roots": (None, [ctypes.c_int]),
+    "ma_t_set_link_backward": (None, [ctypes.c_int]),
     "ma_t_take_forward_begin": (_I64, []),
     "ma_t_set_op_override": (None, [ctypes.c_char_p]),
     "ma_t_next_seq": (_I64, []),
@@ -88,6 +89,7 @@ _SIGNATURES = {
     "ma_t_sid_category": (_I32, [_I64]),
     "ma_t_category": (_I32, [_U64]),
     "ma_t_set_owner": (None, [_U64, _I32]),
+    "ma_t_mark_many": (_I64, [_P, _P, _P, _I64, _P]),
     "ma_t_external_alloc": (_I64, [_U64, _I64, _I32, _I32, _P, ctypes.c_char_p]),
     "ma_t_external_free": (None, [_U64, _I64]),
     "ma_t_event_count": (_I64, []),
@@ -332,6 +334,23 @@ class NativeRecorder:
         ptr = storage.data_ptr()
         if ptr:
             self._lib.ma_t_mark(ptr, CATEGORY_CODES[category])
+
+    def mark_many(self, items: list) -> list:
+        """Mark (tensor, category, owner path or None) triples in one call; returns the
+        triples whose storage nobody logged yet (the caller registers them)."""
+        n = len(items)
+        if not n:
+            return []
+        ptrs = np.fromiter((t.untyped_storage().data_ptr() for t, _, _ in items), np.uint64, n)
+        categories = np.fromiter((CATEGORY_CODES[c] for _, c, _ in items), np.int32, n)
+        owners = np.fromiter((-1 if o is None else self._module_id(o) for _, _, o in items),
+                             np.int32, n)
+        unknown = np.zeros(n, np.uint8)
+        missing = self._lib.ma_t_mark_many(ptrs.ctypes.data, categories.ctypes.data,
+                                           owners.ctypes.data, n, unknown.ctypes.data)
+        if not missing:
+            return []
+        return [item for item, flag in zip(items, unknown.tolist()) if flag]
 
     def mark_sid(self, sid: int, category: str) -> None:
         self._lib.ma_t_mark_sid(sid, CATEGORY_CODES[category])

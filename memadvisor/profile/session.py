@@ -93,6 +93,8 @@ class ProfileSession:
         # id(parameter) -> owning module path ('blocks.0.attn'); ids stay valid because the
         # model outlives every step we record
         self._param_owner: dict[int, str] = {}
+        #: id(root module) -> [(weakref(tensor), category, owner)] found on it
+        self._scanned: dict[int, list] = {}
         self.mode.before_op = self._before_op
         # trainable tensors of scripts without modules: id -> weakref (tensors cannot go in
         # a WeakSet: their == is elementwise)
@@ -110,6 +112,8 @@ class ProfileSession:
         self.engine, self.engine_status = self._choose_engine()
         if self.engine == "native":
             self.native_status = "on"  # the op tracker includes the allocator hook
+            # backward nodes find their module natively: no multi-grad hooks per module call
+            self.modules.backward_hooks = False
         else:
             self._start_native_hook()
         self._patch_autograd()
@@ -351,20 +355,57 @@ class ProfileSession:
         self._batch_root_seen = True
         self.recorder.phase = schema.FORWARD
 
-    def _scan_module(self, module: torch.nn.Module) -> None:
-        prefix = self.modules.name_of(module)
-        for name, tensor in module.named_parameters():
-            owner = _owner_path(prefix, name)
-            self._param_owner[id(tensor)] = owner
-            self._mark_tensor(tensor, schema.PARAMETER, owner)
-        for name, tensor in module.named_buffers():
-            self._mark_tensor(tensor, schema.BUFFER, _owner_path(prefix, name))
+    def _scan_module(self, module: torch.nn.Module, rescan: bool = False) -> None:
+        """Mark a root module's parameters and buffers.  Walking the module tree costs
+        more than a small step: it is walked once per root (and again when the session
+        closes, or when a parameter it found has died), then the found tensors are kept
+        by weak reference and re-marked each step."""
+        cached = self._scanned.get(id(module))
+        if rescan or cached is None or any(ref() is None for ref, _, _ in cached):
+            prefix = self.modules.name_of(module)
+            cached = []
+            for name, tensor in module.named_parameters():
+                owner = _owner_path(prefix, name)
+                self._param_owner[id(tensor)] = owner
+                cached.append((weakref.ref(tensor), schema.PARAMETER, owner))
+            for name, tensor in module.named_buffers():
+                cached.append((weakref.ref(tensor), schema.BUFFER, _owner_path(prefix, name)))
+            self._scanned[id(module)] = cached
+        self._mark_all([(ref(), category, owner) for ref, category, owner in cached])
+
+    def _root_parameters(self) -> list:
+        """The trainable parameters of every root module (from the scans)."""
+        return [ref() for cached in self._scanned.values() for ref, category, _ in cached
+                if category == schema.PARAMETER and ref() is not None]
 
     def _mark_tensor(self, tensor, category: str, owner: str | None = None) -> None:
-        for inner in _tensors(tensor, None):
-            storage = _storage(inner)
+        self._mark_all([(tensor, category, owner)])
+
+    def _mark_all(self, items) -> None:
+        """Mark (tensor, category, owner or None) triples; storages nobody logged yet are
+        registered first.  The native engine does it in one call for all of them."""
+        flat = []
+        for tensor, category, owner in items:
+            if tensor is None:
+                continue
+            if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+                flat.append((tensor, category, owner))
+            else:
+                flat.extend((inner, category, owner) for inner in _tensors(tensor, None))
+        if self.engine == "native":
+            for tensor, category, owner in self.recorder.mark_many(flat):
+                # not logged yet: register (external memory), then mark
+                storage = _storage(tensor)
+                if storage is not None:
+                    self._register_existing(tensor, storage)
+                    self.recorder.mark(storage, category)
+                    if owner is not None:
+                        self.recorder.set_owner(storage, owner)
+            return
+        for tensor, category, owner in flat:
+            storage = _storage(tensor)
             if storage is not None:
-                self._register_existing(inner, storage)
+                self._register_existing(tensor, storage)
                 self.recorder.mark(storage, category)
                 if owner is not None:
                     self.recorder.set_owner(storage, owner)
@@ -404,11 +445,12 @@ class ProfileSession:
         self._backward_since_forward = True
         self.modules.backward_finished()
         self.recorder.phase = schema.OTHER_PHASE
-        trainable = [p for root in self.modules.root_modules() for p in root.parameters()]
+        trainable = self._root_parameters()
         leaves = [ref() for ref in list(self._leaves.values())]
-        for param in trainable + [leaf for leaf in leaves if leaf is not None]:
-            if param.grad is not None:
-                self._mark_tensor(param.grad, schema.GRADIENT, self._param_owner.get(id(param)))
+        owners = self._param_owner
+        self._mark_all([(param.grad, schema.GRADIENT, owners.get(id(param)))
+                        for param in trainable + [leaf for leaf in leaves if leaf is not None]
+                        if param.grad is not None])
         if self._counting_backward():
             self._maybe_stop_backward_mode()
 
@@ -420,12 +462,14 @@ class ProfileSession:
         self._optimizers.add(optimizer)
         self.recorder.phase = schema.OPTIMIZER
         self.recorder.module = ""
+        owners = self._param_owner
+        items = []
         for group in optimizer.param_groups:
             for param in group["params"]:
-                self._mark_tensor(param, schema.PARAMETER)
+                items.append((param, schema.PARAMETER, None))
                 if param.grad is not None:
-                    self._mark_tensor(param.grad, schema.GRADIENT,
-                                      self._param_owner.get(id(param)))
+                    items.append((param.grad, schema.GRADIENT, owners.get(id(param))))
+        self._mark_all(items)
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
         self._mark_optimizer_state(optimizer)
@@ -439,15 +483,14 @@ class ProfileSession:
                 raise StopProfiling()
 
     def _mark_optimizer_state(self, optimizer) -> None:
-        for param, state in optimizer.state.items():
-            owner = self._param_owner.get(id(param))
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    self._mark_tensor(value, schema.OPTIMIZER_STATE, owner)
+        owners = self._param_owner
+        self._mark_all([(value, schema.OPTIMIZER_STATE, owners.get(id(param)))
+                        for param, state in optimizer.state.items()
+                        for value in state.values() if isinstance(value, torch.Tensor)])
 
     def _mark_model_state(self) -> None:
         for root in self.modules.root_modules():
-            self._scan_module(root)
+            self._scan_module(root, rescan=True)
         for optimizer in list(self._optimizers):
             self._mark_optimizer_state(optimizer)
 

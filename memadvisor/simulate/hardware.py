@@ -127,8 +127,9 @@ DEVICE_RULES = {
         "optimizer_foreach": False,  #: torch.optim picks the per-tensor loop off CUDA
         "dropout_mask_itemsize": 4,  #: bernoulli float mask on CPU
         "fp16_autocast": False,
-        #: gloo's all-gather / reduce-scatter copy their buffers (raw blocks seen on CPU)
-        "collective_copies": {"all_gather": 1, "reduce_scatter": 2},
+        #: gloo's all-gather / reduce-scatter copy their buffers (raw blocks seen on CPU);
+        #: its worker thread can hold what a collective used until the rank's next one
+        "collective_copies": {"all_gather": 1, "reduce_scatter": 1, "held_until_next": True},
         #: oneDNN's bf16 matmul allocates a scratch block per call (fp32 gemm: none);
         #: sizes fitted to torch 2.13's CPU traces (precision.matmul_scratch_bytes)
         "matmul_scratch": {
@@ -143,7 +144,8 @@ DEVICE_RULES = {
         "optimizer_foreach": True,  #: foreach on CUDA tensors: step temporaries for all at once
         "dropout_mask_itemsize": 1,  #: native_dropout bool mask
         "fp16_autocast": True,
-        "collective_copies": {"all_gather": 0, "reduce_scatter": 0},  #: NCCL works in place
+        "collective_copies": {"all_gather": 0, "reduce_scatter": 0,  #: NCCL works in place
+                              "held_until_next": False},
         "matmul_scratch": None,  #: cuBLAS's workspace is not a tensor allocation
     },
 }

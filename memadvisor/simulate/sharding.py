@@ -297,15 +297,29 @@ def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_tot
     * post-backward of each unit (the root last): parameters freed, the previous
       reduce-scatter input freed, this one allocated (the unit's gradient bytes), the
       unsharded gradients copied in and freed and the sharded ones made (``fsdp_layout``);
-    * a backend that copies (gloo) adds raw blocks of the buffer's size: one at a time per
-      all-gather, two at once per reduce-scatter.
+    * a backend that copies (gloo, ``copies``) adds raw blocks of the buffer's size: one
+      at a time per all-gather (made and freed inside the collective), one per
+      reduce-scatter (its input cloned, all-reduced, the rank's chunk copied out);
+    * where the backend's worker thread holds what a collective used (gloo:
+      ``copies['held_until_next']``), the reduce-scatter's clone and an all-gather's
+      output buffer can outlive the collective until the worker thread runs again, at
+      the latest when the rank's next collective blocks its main thread.  Modelled at that
+      latest point (the prediction must not fall short): the clone lives until the next
+      collective (the step's last one until the backward's end: not into the optimizer
+      step); an all-gather buffer until FSDP frees it or the next collective, whichever
+      is later.
     """
     forward, backward = _phase_span(timeline, _FORWARD), _phase_span(timeline, _BACKWARD)
     root_bytes = param_total - sum(u.parameter_bytes for u in units)
     grad_fraction = gradient_bytes(timeline) / max(param_total, 1.0)
     gather_copies = min(int(copies.get("all_gather", 0)), 1)
-    scatter_copies = int(copies.get("reduce_scatter", 0))
+    scatter_copies = min(int(copies.get("reduce_scatter", 0)), 1)
+    held = bool(copies.get("held_until_next"))
     forward_end = forward[1] + 0.5
+    #: (key where the collective blocks the main thread, after its own copy is made)
+    collectives: list[float] = []
+    #: buffers a gloo work holds: (bytes, alloc, FSDP's free, its collective, phase)
+    buffers: list[tuple] = []
     # (bytes, pre-forward key, end of forward, first backward allocation, post-backward key)
     order = [(root_bytes, forward[0] + _ROOT_PRE_FORWARD, forward_end, backward[0],
               backward[1] + _ROOT_POST_BACKWARD)] + [
@@ -318,12 +332,13 @@ def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_tot
         key = pre + 0.01
         if gather_copies:
             add(nbytes, key + 0.01, key + 0.02, _OTHER)
+        collectives.append(key + 0.015)
         add(nbytes, key + 0.03, end if shard == "zero3" else post + _RESHARD, _PARAM)
         if previous is not None:
-            add(previous[0], previous[1], key + 0.04, _OTHER)
-        previous = (nbytes, key)
+            buffers.append((previous[0], previous[1], key + 0.04, previous[2], _FORWARD))
+        previous = (nbytes, key, key + 0.015)
     if previous is not None:
-        add(previous[0], previous[1], forward_end + 0.02, _OTHER)
+        buffers.append((previous[0], previous[1], forward_end + 0.02, previous[2], _FORWARD))
     if shard == "zero3":
         # backward: the root gathers itself and prefetches the last unit's buffer; each
         # unit (in reverse) copies its buffer out, frees it and prefetches the next one.
@@ -335,32 +350,54 @@ def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_tot
         bases = [root_base] + [
             min(max(first + _PRE_BACKWARD, root_base) + 10 * _EPS, early - 20 * _EPS)
             for (_, _, _, first, _), early in zip(sequence[1:], earliest[-2::-1])]
-        buffer_key = None
+        pending = None  #: (alloc key, collective key) of a prefetched buffer
         for index, (nbytes, _, _, _, post) in enumerate(sequence):
             base = bases[index]
-            if buffer_key is None:  # nothing prefetched it: it gathers its own
-                buffer_key = base + _EPS
+            if pending is None:  # nothing prefetched it: it gathers its own
                 if gather_copies:
                     add(nbytes, base + 2 * _EPS, base + 3 * _EPS, _OTHER, _BACKWARD)
+                collectives.append(base + 2.5 * _EPS)
+                pending = (base + _EPS, base + 2.5 * _EPS)
             add(nbytes, base + 3 * _EPS, post + _RESHARD, _PARAM, _BACKWARD)
-            add(nbytes, buffer_key, base + 4 * _EPS, _OTHER, _BACKWARD)
-            buffer_key = None
+            buffers.append((nbytes, pending[0], base + 4 * _EPS, pending[1], _BACKWARD))
+            pending = None
             if index + 1 < len(sequence) and bases[index + 1] > base + 7 * _EPS:
-                buffer_key = base + 5 * _EPS
                 if gather_copies:
                     add(sequence[index + 1][0], base + 6 * _EPS, base + 7 * _EPS, _OTHER,
                         _BACKWARD)
+                collectives.append(base + 6.5 * _EPS)
+                pending = (base + 5 * _EPS, base + 6.5 * _EPS)
     # post-backward: reduce-scatter input buffers (units in reverse, the root last)
     scatters = [(u.parameter_bytes * grad_fraction, u.backward[1] + _UNIT_POST_BACKWARD)
                 for u in reversed(units)] + [(root_bytes * grad_fraction,
                                               backward[1] + _ROOT_POST_BACKWARD)]
     scatters.sort(key=lambda s: s[1])
+    clones = []
     for index, (nbytes, post) in enumerate(scatters):
         end = (scatters[index + 1][1] + _PREVIOUS_SCATTER if index + 1 < len(scatters)
                else backward[1] + _LAST_SCATTER_FREE)
         add(nbytes, post + _SCATTER, end, _OTHER, _BACKWARD)
-        for _ in range(scatter_copies):
-            add(nbytes, post + _SCATTER_COPY, post + _SCATTER_COPY + 0.005, _OTHER, _BACKWARD)
+        collectives.append(post + _SCATTER_COPY + 0.0025)
+        if scatter_copies:
+            clones.append((nbytes, post + _SCATTER_COPY, post + _SCATTER_COPY + 0.005,
+                           post + _SCATTER_COPY + 0.0025))
+    collectives.sort()
+
+    def next_collective(key: float) -> float | None:
+        at = np.searchsorted(collectives, key, side="right")
+        return collectives[at] + 1e-4 if at < len(collectives) else None
+
+    for nbytes, start, fsdp_free, collective, phase in buffers:
+        later = next_collective(collective) if held else None
+        add(nbytes, start, max(fsdp_free, later or fsdp_free), _OTHER, phase)
+    for nbytes, start, end, collective in clones:
+        if held:
+            # the step's last one: until the backward's end (held into the optimizer step
+            # and the next step it would outlive the micro-step, which the accumulation
+            # layout and the bounds do not express; not modelled)
+            later = next_collective(collective) or backward[1] + _LAST_SCATTER_FREE
+            end = max(end, later)
+        add(nbytes, start, end, _OTHER, _BACKWARD)
 
 
 def communication_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: float) -> float:

@@ -10,7 +10,11 @@ Differences that are allowed, each because the native engine is the more faithfu
   op is seen before autograd saves its inputs) and ``activation`` in the dispatch one;
 * blocks under 64 bytes (0-dim scalars) are named differently: Python numbers wrapped into
   tensors are invisible to a dispatch mode, ``torch.tensor(x)`` is ``aten::lift_fresh``
-  there and ``aten::empty`` natively.
+  there and ``aten::empty`` natively;
+* the module of backward work: the native engine charges a backward node to the module
+  whose forward made it (autograd's sequence numbers, as torch.profiler links them: a
+  ReLU's ``threshold_backward`` is the ReLU's), the dispatch engine to the innermost module
+  whose backward hooks are open (often its parent).
 """
 from __future__ import annotations
 
@@ -52,8 +56,10 @@ def _profile(example_loader, name: str, engine: str):
 
 def _allocations(events, min_bytes: int = 64):
     rows = events[(events["action"] == "alloc") & (events["size_bytes"] >= min_bytes)]
+    # the module of backward work is attributed differently (see the module docstring)
+    modules = rows["module"].astype(str).where(rows["phase"] != "backward", "(backward)")
     return collections.Counter(zip(
-        rows["op"], rows["dtype"], rows["shape"], rows["size_bytes"], rows["module"],
+        rows["op"], rows["dtype"], rows["shape"], rows["size_bytes"], modules,
         rows["phase"], rows["source_file"], rows["source_line"]))
 
 
@@ -78,14 +84,32 @@ def test_both_engines_give_the_same_trace(example_loader, native_ok, name):
         assert (big["category"] == category).sum() == (
             (dispatch["action"] == "alloc") & (dispatch["size_bytes"] >= 64)
             & (dispatch["category"] == category)).sum(), category
-    # FLOPs of each module and phase (the recompute cost model reads them)
+    # FLOPs of each module in forward (the recompute cost model reads them), and of each
+    # phase (backward's modules are attributed differently)
     def flops(meta):
         total = collections.Counter()
         for row in meta.op_stats:
-            total[(row["module"], row["phase"])] += row["flops"]
+            module = row["module"] if row["phase"] == "forward" else ""
+            total[(module, row["phase"])] += row["flops"]
         return +total
     assert flops(native_meta) == flops(dispatch_meta)
     assert sum(flops(native_meta).values()) > 0
+
+
+def test_native_engine_charges_backward_work_to_the_module_that_made_the_node(native_ok):
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    with ProfileSession(engine="native") as session:
+        model(x).sum().backward()
+    events = session.build()[0].to_pandas()
+    backward = events[(events["phase"] == "backward") & (events["action"] == "alloc")]
+    by_op = {(op, module) for op, module in zip(backward["op"], backward["module"])}
+    assert ("aten::threshold_backward", "1") in by_op  # the ReLU's own backward
+    # the gradient of the first Linear's input is not needed (x needs no grad); the
+    # second Linear's backward computes the ReLU output's gradient with an mm
+    assert ("aten::mm", "2") in by_op
+    assert all(module in ("", "0", "1", "2") for module in backward["module"])
 
 
 def test_native_engine_sees_wrapped_numbers_autograd_keeps(native_ok):
