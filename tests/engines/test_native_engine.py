@@ -153,3 +153,40 @@ def test_engine_choice_is_recorded_and_falls_back_with_a_reason(tmp_path):
     allocator = read_trace(tmp_path / "b.trace").meta.allocator
     assert allocator["engine"] == "dispatch"
     assert "MEMADVISOR_NO_NATIVE" in allocator["engine_reason"]
+
+
+GLOO_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from memadvisor.profile import ProfileSession
+from memadvisor.trace import analysis
+os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = sys.argv[1]
+dist.init_process_group("gloo", rank=0, world_size=1)
+for engine in ("native", "dispatch"):
+    with ProfileSession(engine=engine) as session:
+        x = torch.randn(1024, 64)
+        out = torch.empty(1024, 64)
+        for _ in range(3):
+            dist.reduce_scatter_tensor(out, x)
+        del x
+    events = session.build()[0].to_pandas()
+    print(engine, int(analysis.live_bytes(events).max()))
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_reduce_scatter_copy_is_counted_once(tmp_path, native_ok):
+    """gloo clones a reduce-scatter's input inside the op and splits the clone after it:
+    one block, which the dispatch engine once counted twice (kernel block + storage)."""
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "gloo.py"
+    script.write_text(GLOO_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(port)], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    peaks = dict(line.split() for line in proc.stdout.splitlines())
+    block = 1024 * 64 * 4
+    # x, out and one clone at a time
+    assert peaks == {"native": str(3 * block), "dispatch": str(3 * block)}
