@@ -154,6 +154,7 @@ struct T {
   PyObject* classify = nullptr;
   PyThreadState* main_ts = nullptr;
   at::CallbackHandle callback = 0;
+  at::CallbackHandle backward_callback = 0;
 };
 
 T& tt() {
@@ -605,7 +606,7 @@ MA_API int ma_t_start(int64_t t0_ns, PyObject* classify) {
               .needsInputs(true)
               .needsOutputs(true)
               .scopes({at::RecordScope::FUNCTION}));
-      at::addGlobalCallback(
+      t.backward_callback = at::addGlobalCallback(
           at::RecordFunctionCallback(&tracker::on_backward_node)
               .scopes({at::RecordScope::BACKWARD_FUNCTION}));
     }
@@ -621,11 +622,21 @@ MA_API int ma_t_start(int64_t t0_ns, PyObject* classify) {
   return 0;
 }
 
-// Stops recording (events stay until ma_t_reset).  The callbacks stay
-// registered but idle: removing a callback while another thread runs an op
-// is not safe in every torch version.
+// Stops recording (events stay until ma_t_reset) and removes the callbacks, so
+// that ops run after profiling pay nothing (no boxing of their arguments).  An op
+// in flight keeps the callbacks it started with: its end still pops its frame,
+// and an op that starts after removal never pushes one.
 MA_API void ma_t_stop(void) {
-  tt().on.store(false);
+  auto& t = tt();
+  t.on.store(false);
+  if (t.callback != 0) {
+    at::removeCallback(t.callback);
+    t.callback = 0;
+  }
+  if (t.backward_callback != 0) {
+    at::removeCallback(t.backward_callback);
+    t.backward_callback = 0;
+  }
 }
 
 MA_API void ma_t_set_flop_op(const char* name) {
