@@ -716,11 +716,14 @@ MA_API int32_t ma_t_alloc_phase(uint64_t ptr) {
   auto it = t.live.find(ptr);
   return it == t.live.end() ? -1 : it->second.phase;
 }
-MA_API void ma_t_mark(uint64_t ptr, int32_t category) {
+// Marks the storage live at ptr; returns 0 when nothing is live there.
+MA_API int32_t ma_t_mark(uint64_t ptr, int32_t category) {
   auto& t = tt();
   std::lock_guard<std::mutex> g(t.mu);
   auto it = t.live.find(ptr);
-  if (it != t.live.end()) tracker::mark_sid_locked(t, it->second.sid, category);
+  if (it == t.live.end()) return 0;
+  tracker::mark_sid_locked(t, it->second.sid, category);
+  return 1;
 }
 MA_API void ma_t_mark_sid(int64_t sid, int32_t category) {
   auto& t = tt();

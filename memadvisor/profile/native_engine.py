@@ -84,7 +84,7 @@ _SIGNATURES = {
     "ma_t_lookup": (_I64, [_U64]),
     "ma_t_size_of": (_I64, [_U64]),
     "ma_t_alloc_phase": (_I32, [_U64]),
-    "ma_t_mark": (None, [_U64, _I32]),
+    "ma_t_mark": (_I32, [_U64, _I32]),
     "ma_t_mark_sid": (None, [_I64, _I32]),
     "ma_t_sid_category": (_I32, [_I64]),
     "ma_t_category": (_I32, [_U64]),
@@ -330,10 +330,10 @@ class NativeRecorder:
         return sid in self._external
 
     # --- categories --------------------------------------------------------------------
-    def mark(self, storage, category: str) -> None:
+    def mark(self, storage, category: str) -> bool:
+        """Mark the storage; False when it was never logged (nothing marked)."""
         ptr = storage.data_ptr()
-        if ptr:
-            self._lib.ma_t_mark(ptr, CATEGORY_CODES[category])
+        return bool(ptr) and bool(self._lib.ma_t_mark(ptr, CATEGORY_CODES[category]))
 
     def mark_many(self, items: list) -> list:
         """Mark (tensor, category, owner path or None) triples in one call; returns the

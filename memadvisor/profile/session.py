@@ -426,8 +426,12 @@ class ProfileSession:
         if self.recorder.phase != schema.BACKWARD or torch._C._current_graph_task_id() == -1:
             for inner in _tensors(tensor, None):
                 storage = _storage(inner)
-                if storage is not None:
-                    self.recorder.mark(storage, schema.ACTIVATION)
+                if storage is not None and not self.recorder.mark(storage, schema.ACTIVATION) \
+                        and self.engine == "native" and storage.nbytes():
+                    # memory the native engine never saw made, saved by autograd: data from
+                    # outside (a target from a DataLoader worker fed to the loss)
+                    self._register_existing(inner, storage)
+                    self.recorder.mark(storage, schema.INPUT)
         return tensor
 
     def _check_backward_started(self) -> None:

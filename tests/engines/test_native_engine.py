@@ -190,3 +190,30 @@ def test_gloo_reduce_scatter_copy_is_counted_once(tmp_path, native_ok):
     block = 1024 * 64 * 4
     # x, out and one clone at a time
     assert peaks == {"native": str(3 * block), "dispatch": str(3 * block)}
+
+
+def test_batches_from_dataloader_workers_are_input(tmp_path, native_ok):
+    """A worker process's batch lives in shared memory the allocator hook never sees made:
+    the batch is found when the model reads it, the target when the loss saves it."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "if __name__ == '__main__':\n"
+        "    data = TensorDataset(torch.randn(256, 32), torch.randn(256, 8))\n"
+        "    loader = DataLoader(data, batch_size=32, num_workers=1)\n"
+        "    model = torch.nn.Linear(32, 8)\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    for x, y in loader:\n"
+        "        loss = torch.nn.functional.mse_loss(model(x), y)\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n")
+    trace = tmp_path / "t.trace"
+    proc = subprocess.run([sys.executable, "-m", "memadvisor.cli", "profile", str(script),
+                           "-q", "--steps", "3", "--engine", "native", "-o", str(trace)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from memadvisor.trace import read_trace
+    events = read_trace(trace).events
+    allocs = events[(events["action"] == "alloc") & (events["category"] == "input")]
+    shapes = collections.Counter(allocs["shape"].astype(str))
+    assert shapes["32,32"] == 3 and shapes["32,8"] == 3, shapes  # x and y of each step
