@@ -95,7 +95,7 @@ def _simulator() -> Simulator | None:
                 "step_time_factor": prediction.step_time_factor,
                 "changes": "; ".join(explain.changes(plan)) or "nothing (the script as is)",
                 "fits": fits,
-                "timeline": _timeline_pairs(prediction.timeline) if with_timeline else None}
+                "timeline": timeline_pairs(prediction.timeline) if with_timeline else None}
 
     def advise(trace: Trace, budget_bytes: int, num_gpus: int) -> list[dict[str, Any]]:
         base = sim.prepare(trace)
@@ -116,9 +116,10 @@ def _simulator() -> Simulator | None:
     return Simulator(advise=advise, simulate=simulate)
 
 
-def _timeline_pairs(timeline) -> list[tuple[float, int]] | None:
+def timeline_pairs(timeline) -> list[tuple[float, int]] | None:
     """The simulator's per-step timeline as (event position, live bytes) pairs, thinned
-    for drawing like the measured one (each bucket's min and max kept)."""
+    for drawing like the measured one (each bucket's min and max kept).  The dashboard
+    draws any plan it is asked about with this too."""
     import numpy as np
 
     from .timeline import MAX_BUCKETS, extreme_positions

@@ -7,7 +7,6 @@ repository root (CI uploads that folder).
 """
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -20,16 +19,9 @@ from memadvisor.trace.io import read_trace
 
 from report_fakes import install_fake_simulator
 
-CHROMIUM = os.environ.get("MEMADVISOR_CHROMIUM", "/usr/bin/chromium")
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "reports"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+from browser_support import ARGS, CHROMIUM, MARKS, SCREENSHOTS  # noqa: E402
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not Path(CHROMIUM).exists() and shutil.which("chromium") is None,
-                       reason="no system Chromium"),
-]
+pytestmark = MARKS
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
 
 

@@ -1,0 +1,43 @@
+"""`memadvisor ui TRACE [--budget 24GiB] [--gpus N] [--gpu NAME] [--baseline OLD] [--port P]`"""
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.argument("trace_path", metavar="TRACE")
+@click.option("--budget", default=None, metavar="SIZE",
+              help="Memory per GPU, e.g. 24GiB: the budget line, the headline and the "
+                   "ranked plans (editable in the page).")
+@click.option("--gpus", "num_gpus", default=1, show_default=True, type=click.IntRange(min=1),
+              help="GPUs the plans may use (editable in the page).")
+@click.option("--gpu", default=None, help="Target hardware profile for the plans, e.g. "
+              "h100-80gb (default: the device that recorded the trace).")
+@click.option("--baseline", "baseline_path", default=None, metavar="OLD.trace",
+              help="Add a comparison against an earlier trace.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8050, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to serve on (0: any free port).")
+@click.option("--no-browser", is_flag=True,
+              help="Do not open a browser (never opened when stdout is not a terminal).")
+def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_browser):
+    """Serve an interactive dashboard of TRACE: timeline, what is alive, plans."""
+    from ..units import parse_bytes
+    from ..ui import data as ui_data
+    from ..ui.app import build_app
+    from ..ui.server import bind, serve, should_open_browser
+    from ..ui.views import Dashboard
+
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+    server = bind(host, port)  # a taken port fails before the traces are read
+    try:
+        data = ui_data.load(trace_path, baseline_path)
+        board = Dashboard(data, budget_bytes=budget_bytes, num_gpus=num_gpus, gpu=gpu,
+                          trace_name=trace_path, baseline_name=baseline_path or "")
+        server.app.target = build_app(board, budget or "").server
+    except BaseException:
+        server.server_close()
+        raise
+    serve(server, open_browser=should_open_browser(no_browser),
+          announce=lambda url: click.echo(f"memadvisor: dashboard at {url} (Ctrl-C stops)"))
+    return 0

@@ -1,0 +1,186 @@
+"""What the dashboard shows, as plain data: no dash, no plotly here.
+
+``DashboardData`` reads the trace once and keeps what every callback needs (live bytes,
+storage lifetimes, the summary, the comparison); the step timelines and the storages alive
+at a moment are computed on demand from it with the same functions ``summary`` and the
+HTML report use (``memadvisor.trace.analysis``, ``report.timeline.step_timeline``), so a
+peak means the same thing on the page as on the command line.
+
+Nothing here sends per-event data anywhere: a timeline is decimated (``step_timeline``),
+and a moment's table keeps its ``max_rows`` largest storages plus their totals.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..report.build import read_source_code
+from ..report.compare import compare_traces
+from ..report.timeline import StepTimeline, step_timeline
+from ..trace import analysis
+from ..trace.io import Trace, read_trace
+from ..trace.summary import shorten_paths, summarize
+
+#: rows of the "alive at this moment" table sent to the page (largest first)
+MAX_MOMENT_ROWS = 200
+#: the step selector's value for "the whole run" (a trace without a complete step)
+WHOLE_RUN = -1
+
+
+@dataclass
+class Moment:
+    """The storages alive just after one event, largest first."""
+
+    position: int  #: the event's position in the trace (0-based)
+    seq: int
+    step: int | None
+    time_ms: float  #: since the step began, as on the timeline's x axis
+    phase: str
+    module: str
+    op: str
+    live_bytes: int  #: the timeline's total at this event
+    storage_count: int  #: storages alive (all of them, not only the rows)
+    by_category: dict[str, int]
+    rows: list[dict[str, Any]]  #: at most ``MAX_MOMENT_ROWS``, largest first
+
+    @property
+    def rows_bytes(self) -> int:
+        return sum(r["bytes"] for r in self.rows)
+
+
+@dataclass
+class DashboardData:
+    """One trace (and optionally a baseline), read once, queried by the callbacks."""
+
+    trace: Trace
+    summary: dict[str, Any]
+    live: np.ndarray  #: live bytes after each event (``analysis.live_bytes``)
+    lives: pd.DataFrame  #: one row per storage (``analysis.lifetimes``)
+    source_code: list[str]  #: the code line of each top site ('' where unknown)
+    baseline: Trace | None = None
+    comparison: dict[str, Any] | None = None
+    _timelines: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def analysed_step(self) -> int | None:
+        return self.summary["analysed_step"]
+
+    def timeline(self, step: int | None = None) -> StepTimeline:
+        """The decimated timeline of ``step`` (None: the analysed step), cached."""
+        step = self.analysed_step if step is None else step
+        with self._lock:
+            if step not in self._timelines:
+                self._timelines[step] = step_timeline(self.trace, step, live=self.live)
+            return self._timelines[step]
+
+    def step_window(self, step: int | None) -> slice:
+        return analysis.step_slice(self.trace.events, step)
+
+
+def load(trace_path: str, baseline_path: str | None = None) -> DashboardData:
+    """Read the trace (and baseline); a missing or damaged file is a one-line TraceError."""
+    trace = read_trace(trace_path)
+    baseline = read_trace(baseline_path) if baseline_path else None
+    return from_traces(trace, baseline)
+
+
+def from_traces(trace: Trace, baseline: Trace | None = None) -> DashboardData:
+    summary = summarize(trace)
+    base = trace.meta.cwd or os.getcwd()
+    source_code = read_source_code(summary["top_sites"], base)
+    shorten_paths(summary, base)
+    comparison = compare_traces(baseline, trace) if baseline is not None else None
+    return DashboardData(trace=trace, summary=summary,
+                         live=analysis.live_bytes(trace.events),
+                         lives=analysis.lifetimes(trace.events), source_code=source_code,
+                         baseline=baseline, comparison=comparison)
+
+
+def step_options(data: DashboardData) -> list[dict[str, Any]]:
+    """The step selector's choices: every step in the trace, the analysed one marked."""
+    steps = np.unique(data.trace.events["step"].to_numpy()) if len(data.trace.events) else []
+    analysed = data.analysed_step
+    if analysed is None:
+        return [{"label": "whole run (no complete step)", "value": WHOLE_RUN}]
+    done = data.trace.meta.steps_completed
+    options = []
+    for step in (int(s) for s in steps):
+        note = " (analysed: last complete)" if step == analysed else (
+            " (partial)" if step >= done else "")
+        options.append({"label": f"step {step}{note}", "value": step})
+    return options
+
+
+def step_value(value: Any) -> int | None:
+    """The selector's value as a step index (None: the whole run)."""
+    if value is None or value == WHOLE_RUN:
+        return None
+    return int(value)
+
+
+def clicked_position(data: DashboardData, step: int | None,
+                     click_data: dict | None) -> int | None:
+    """The event position a click on the timeline of ``step`` points at (None: no click).
+
+    Every category's chart trace is drawn at the same events, so a point's index is an
+    index into the timeline's ``positions`` whichever category was clicked; a click whose
+    index does not fit (a figure of another step) falls back to the nearest time."""
+    points = (click_data or {}).get("points") or []
+    if not points:
+        return None
+    timeline = data.timeline(step)
+    if not timeline.points:
+        return None
+    point = points[0]
+    index = point.get("pointIndex", point.get("pointNumber"))
+    x = point.get("x")
+    if index is None or not 0 <= int(index) < timeline.points or (
+            x is not None and abs(float(timeline.time_ms[int(index)]) - float(x)) > 1e-3 *
+            max(1.0, abs(float(x)))):
+        if x is None:
+            return None
+        index = int(np.argmin(np.abs(timeline.time_ms - float(x))))
+    return data.step_window(step).start + int(timeline.positions[int(index)])
+
+
+def peak_position(data: DashboardData, step: int | None) -> int:
+    position, _ = analysis.peak_in(data.live, data.step_window(step))
+    return position
+
+
+def moment(data: DashboardData, position: int, step: int | None,
+           max_rows: int = MAX_MOMENT_ROWS) -> Moment:
+    """What is alive just after the event at ``position``, and which line made it."""
+    events = data.trace.events
+    alive = analysis.alive_at(data.lives, position)
+    alive = alive.sort_values("size_bytes", ascending=False, kind="stable")
+    row = events.iloc[position]
+    window = data.step_window(step)
+    timeline = data.timeline(step)
+    start_ms = float(timeline.time_ms[0]) if timeline.points else 0.0
+    first_ns = int(events["time_ns"].iat[window.start]) if window.stop > window.start else 0
+    time_ms = start_ms + (int(row["time_ns"]) - first_ns) / 1e6
+    base = data.trace.meta.cwd or ""
+    rows = [_storage_row(r, base) for r in alive.head(max_rows).itertuples()]
+    return Moment(position=position, seq=int(row["seq"]), step=step, time_ms=time_ms,
+                  phase=str(row["phase"]), module=str(row["module"]), op=str(row["op"]),
+                  live_bytes=int(data.live[position]), storage_count=len(alive),
+                  by_category=analysis.by_category(alive), rows=rows)
+
+
+def _storage_row(r, base: str) -> dict[str, Any]:
+    source = str(r.source_file)
+    if base and source.startswith(base + os.sep):
+        source = os.path.relpath(source, base)
+    where = f"{source}:{int(r.source_line)}" if source else "(no user frame)"
+    return {"bytes": int(r.size_bytes), "category": str(r.category), "op": str(r.op),
+            "module": str(r.module) or "(top level)", "dtype": str(r.dtype),
+            "shape": f"[{r.shape}]", "source": where,
+            "function": str(r.source_function), "phase": str(r.phase),
+            "storage_id": int(r.storage_id)}

@@ -1,0 +1,161 @@
+"""The dashboard's callbacks as plain methods: inputs in, figures/rows/text out.
+
+``Dashboard`` holds the data of one trace and the simulator bound to it; each method is
+what one Dash callback returns, so tests call them directly without a server or a
+browser (``app.py`` only wires them to component ids).  Text goes out as plain strings:
+Dash renders them as text, never markup, whatever a module or file is called.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+
+from ..errors import UserError
+from ..report.build import headline
+from ..units import format_bytes, parse_bytes
+from . import data as ui_data
+from . import figures
+from .plans import PlanAdvisor, PlanRanking
+
+
+def parse_budget(text: Any) -> int | None:
+    """The budget input: '' or None -> no budget; bad text -> UserError (one line)."""
+    if text is None or not str(text).strip():
+        return None
+    return parse_bytes(str(text))
+
+
+def parse_gpus(value: Any) -> int:
+    try:
+        gpus = int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"GPUs must be a whole number, got {value!r}") from None
+    if gpus < 1:
+        raise UserError(f"GPUs must be at least 1, got {gpus}")
+    return gpus
+
+
+class Dashboard:
+    """One trace's dashboard state; every method is one callback's body."""
+
+    def __init__(self, data: ui_data.DashboardData, *, budget_bytes: int | None = None,
+                 num_gpus: int = 1, gpu: str | None = None, trace_name: str = "",
+                 baseline_name: str = ""):
+        self.data = data
+        self.budget_bytes = budget_bytes
+        self.num_gpus = num_gpus
+        self.advisor = PlanAdvisor(data.trace, gpu)
+        self.trace_name = trace_name or data.trace.path or "trace"
+        self.baseline_name = baseline_name
+
+    # -- the timeline and a moment in it -------------------------------------------------
+
+    def default_step(self) -> int:
+        step = self.data.analysed_step
+        return ui_data.WHOLE_RUN if step is None else step
+
+    def timeline_view(self, step_value: Any, budget_text: Any = None
+                      ) -> tuple[go.Figure, str]:
+        """The step's timeline (budget line when the budget input parses) and its caption."""
+        step = ui_data.step_value(step_value)
+        try:
+            budget = parse_budget(budget_text)
+        except UserError:
+            budget = None
+        timeline = self.data.timeline(step)
+        fig = figures.timeline_figure(timeline, budget_bytes=budget)
+        fig.update_layout(clickmode="event", height=420)
+        peak = timeline.peak or {}
+        caption = (f"{timeline.events_in_step:,} events in the step, drawn as "
+                   f"{timeline.points:,} points (each bucket keeps its lowest and highest "
+                   f"point; the peak is exact). Peak {format_bytes(timeline.peak_bytes)} at "
+                   f"event {peak.get('seq', '?')} during {peak.get('phase', '?')} in "
+                   f"{peak.get('module') or '(top level)'} ({peak.get('op') or '?'}). "
+                   "Click the chart to see what is alive at that moment.")
+        return fig, caption
+
+    def moment_view(self, step_value: Any, click_data: dict | None = None
+                    ) -> tuple[str, go.Figure, list[dict[str, Any]]]:
+        """What is alive at the clicked event (default: the step's peak): a caption, the
+        bytes per category, and the storages largest first."""
+        step = ui_data.step_value(step_value)
+        position = ui_data.clicked_position(self.data, step, click_data)
+        at_peak = position is None
+        if at_peak:
+            position = ui_data.peak_position(self.data, step)
+        if position < 0:
+            return "no events in this step", figures.breakdown_figure({}), []
+        m = ui_data.moment(self.data, position, step)
+        where = "the peak" if at_peak else "the selected moment"
+        shown = (f"all {m.storage_count:,} storages" if len(m.rows) == m.storage_count else
+                 f"the {len(m.rows):,} largest of {m.storage_count:,} storages "
+                 f"({format_bytes(m.rows_bytes)} of {format_bytes(m.live_bytes)})")
+        caption = (f"At {where}: {format_bytes(m.live_bytes)} live at {m.time_ms:.3f} ms "
+                   f"(event {m.seq}, {m.phase}, {m.module or '(top level)'}, "
+                   f"{m.op or '?'}); {shown}, largest first.")
+        fig = figures.breakdown_figure(m.by_category, title=f"Alive at {where}, by category")
+        rows = [dict(r, size=format_bytes(r["bytes"])) for r in m.rows]
+        return caption, fig, rows
+
+    # -- the plans -----------------------------------------------------------------------
+
+    def headline_text(self, budget_text: Any, gpus_value: Any) -> str:
+        try:
+            budget, gpus = parse_budget(budget_text), parse_gpus(gpus_value)
+        except UserError:
+            budget, gpus = None, 1
+        return headline(self.data.summary, budget, gpus).text
+
+    def plans_view(self, budget_text: Any, gpus_value: Any
+                   ) -> tuple[list[dict[str, Any]], str, list[int]]:
+        """The plan table for the inputs (rows, a message, the row selected first)."""
+        try:
+            budget, gpus = parse_budget(budget_text), parse_gpus(gpus_value)
+        except UserError as exc:
+            return [], str(exc), []
+        ranking: PlanRanking = self.advisor.rank(budget, gpus)
+        first_fit = next((i for i, r in enumerate(ranking.rows) if r["fits"] == "yes"), None)
+        return ranking.rows, ranking.message, [] if first_fit is None else [first_fit]
+
+    def plan_view(self, selected_rows: list[int] | None, rows: list[dict] | None,
+                  budget_text: Any = None) -> tuple[go.Figure | None, list[str]]:
+        """The selected plan's predicted timeline beside the measured one, and its terms
+        (what each category becomes and why, step-time terms, what changes)."""
+        rows = rows or []
+        if not selected_rows or not 0 <= selected_rows[0] < len(rows):
+            return None, ["select a plan in the table to see its prediction"]
+        spec = rows[selected_rows[0]]["plan"]
+        try:
+            budget = parse_budget(budget_text)
+            detail = self.advisor.detail(spec)
+        except UserError as exc:
+            return None, [str(exc)]
+        lines = plan_explanation(detail)
+        if not detail["timeline"]:
+            return None, ["the simulator gave no timeline for this plan"] + lines
+        measured = self.data.timeline(self.data.analysed_step)
+        fig = figures.plan_timeline_figure(measured, detail["timeline"], spec,
+                                           budget_bytes=budget)
+        return fig, lines
+
+
+def plan_explanation(detail: dict[str, Any]) -> list[str]:
+    """``simulate``'s explanation of one plan as lines of text."""
+    per = " per rank" if detail["per_rank"] else ""
+    lines = [f"{detail['plan_compact'] or 'none'} on {detail['hardware_description']}: "
+             f"peak{per} {format_bytes(detail['peak_bytes'])} (baseline "
+             f"{format_bytes(detail['baseline_peak_bytes'])}), step time "
+             f"x{detail['step_time_factor']:.3f}"]
+    if detail["reserved_bytes"] is not None and detail["reserved_bytes"] != detail["peak_bytes"]:
+        lines.append(f"allocator: allocated {format_bytes(detail['allocated_bytes'])}, "
+                     f"reserved {format_bytes(detail['reserved_bytes'])}")
+    lines += [f"at the peak: {term}" for term in detail["terms"]]
+    lines += [f"why it saves little: {reason}" for reason in detail["why_little"]]
+    lines += [f"step time: {t['seconds'] * 1e3:+.2f} ms {t['what']}"
+              for t in detail["cost_terms"]]
+    if detail["assumptions"]:
+        lines.append("assumptions: " + "; ".join(detail["assumptions"]))
+    lines.append("changes: " + "; ".join(detail["changes"]))
+    lines += [f"warning: {w}" for w in detail["warnings"]]
+    return lines

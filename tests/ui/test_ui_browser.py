@@ -1,0 +1,77 @@
+"""The dashboard in a real browser: served on a free port, loaded offline, no JS error, the
+timeline drawn, the plan table filled, a click on the chart answered.
+
+System Chromium driven by Playwright (recipe: /work/shared/recipes/browser-tests.md);
+skipped where either is missing, deselected with ``-m "not browser"``."""
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from memadvisor.ui import data as ui_data
+from memadvisor.ui.app import build_app
+from memadvisor.ui.server import bind, url_of
+from memadvisor.ui.views import Dashboard
+
+from browser_support import ARGS, CHROMIUM, MARKS, SCREENSHOTS  # noqa: E402
+
+pytestmark = MARKS
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
+
+
+def test_dashboard_in_the_browser(ui_model_trace, synthetic_traces):
+    board = Dashboard(ui_data.load(ui_model_trace, synthetic_traces["base"]), num_gpus=4,
+                      baseline_name="base.trace")
+    budget = str(int(board.data.summary["peak_bytes"] * 0.9))
+    server = bind("127.0.0.1", 0, build_app(board, budget).server)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = url_of(server)
+    blocked, errors = [], []
+    executable = CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium")
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=executable, headless=True, args=ARGS)
+            context = browser.new_context(viewport={"width": 1280, "height": 1000})
+
+            def guard(route):
+                if route.request.url.startswith(url):
+                    return route.continue_()
+                blocked.append(route.request.url)
+                return route.abort()
+
+            context.route("**/*", guard)
+            page = context.new_page()
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(url)
+            page.wait_for_function(
+                "() => { const g = document.querySelector('#timeline .js-plotly-plot');"
+                " return g && g.data && g.data.length > 0; }", timeout=15_000)
+            drawn = page.evaluate(
+                "document.querySelector('#timeline .js-plotly-plot').data.map(t => t.name)")
+            assert drawn == list(board.data.timeline(2).by_category)
+            page.wait_for_selector("#plan-table td[data-dash-column=plan]", timeout=15_000)
+            first_plan = page.locator("#plan-table td[data-dash-column=plan]").first
+            expected = board.plans_view(budget, 4)[0][0]["plan"]
+            assert first_plan.inner_text().strip() == expected
+            page.wait_for_selector("#plan-timeline .main-svg", timeout=15_000)
+            assert page.locator("#moment-caption").inner_text().startswith("At the peak:")
+            assert page.locator("#comparison .main-svg").count() > 0
+            # a click on the timeline answers with the storages alive at that moment
+            box = page.locator("#timeline .nsewdrag").first.bounding_box()
+            page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.5)
+            page.mouse.click(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.5)
+            page.wait_for_function("() => document.querySelector('#moment-caption')"
+                                   ".innerText.startsWith('At the selected moment')",
+                                   timeout=10_000)
+            assert page.locator("#moment-table td[data-dash-column=size]").count() > 0
+            SCREENSHOTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(SCREENSHOTS / "dashboard.png"), full_page=True)
+            browser.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert errors == [] and blocked == []
