@@ -67,8 +67,8 @@ enum Category : int32_t {
   INPUT = 5, ACTIVATION = 6, TEMPORARY = 7, OTHER_CATEGORY = 8, UNMARKED = 127
 };
 
-// op of a block the script's thread made outside any op that no op claimed (an RNG
-// state torch.utils.checkpoint keeps, ...): host bookkeeping, left out of the trace
+// op of a block the script's thread made outside any op that no op claimed (the
+// CPU RNG state torch.utils.checkpoint keeps, buffers compiled code allocates): no op
 constexpr int32_t OP_UNCLAIMED = -2;
 
 struct Ev {

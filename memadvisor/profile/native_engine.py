@@ -46,7 +46,6 @@ PHASE_NAMES = {code: name for name, code in PHASE_CODES.items()}
 CATEGORY_NAMES = sorted(CATEGORY_PRIORITY, key=CATEGORY_PRIORITY.get)
 CATEGORY_CODES = {name: code for code, name in enumerate(CATEGORY_NAMES)}
 _UNMARKED = 127
-_OP_UNCLAIMED = -2
 
 EVENT_DTYPE = np.dtype([
     ("seq", np.int64), ("time_ns", np.int64), ("sid", np.int64), ("size", np.int64),
@@ -228,7 +227,6 @@ class NativeRecorder:
         self._formulas = _flop_formulas()
         self.enabled = True
         self._started = False
-        self._dropped_seqs = np.empty(0, np.int64)
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -384,10 +382,6 @@ class NativeRecorder:
             self._lib.ma_t_copy_events(events.ctypes.data, n)
         return events
 
-    def map_seq(self, seq: int) -> int:
-        """A position recorded during the run (a step boundary) in the table that the last
-        ``to_table`` built (which leaves unclaimed host blocks out)."""
-        return seq - int(np.searchsorted(self._dropped_seqs, seq))
 
     def _pairs(self, count_fn, copy_fn) -> dict[int, int]:
         n = count_fn()
@@ -424,16 +418,6 @@ class NativeRecorder:
     def to_table(self, step_boundaries: list[int]) -> pa.Table:
         """Resolve steps and categories and build the events table."""
         ev = self._events()
-        # blocks the script's thread made outside any op and never handed to one (the
-        # RNG states torch.utils.checkpoint keeps on the host, ...): not training memory
-        # a plan can act on, and what a dispatch mode (and a GPU) never sees
-        unclaimed_sids = np.unique(ev["sid"][(ev["kind"] > 0) & (ev["op"] == _OP_UNCLAIMED)])
-        dropped = np.isin(ev["sid"], unclaimed_sids)
-        self._dropped_seqs = np.sort(ev["seq"][dropped])
-        if len(unclaimed_sids):
-            ev = ev[~dropped]
-            ev["seq"] = np.arange(len(ev))
-            step_boundaries = [self.map_seq(b) for b in step_boundaries]
         n = len(ev)
         sids = ev["sid"]
         is_alloc = ev["kind"] > 0
@@ -523,7 +507,9 @@ class NativeRecorder:
             "dtype": dtypes,
             "shape": shapes,
             "category": category_names[category[sids]].tolist() if n else [],
-            "op": ops[ident["op"] + 1].tolist(),
+            # blocks made outside any op that no op claimed (OP_UNCLAIMED: the CPU RNG
+            # state torch.utils.checkpoint keeps, buffers compiled code allocates): no op
+            "op": ops[np.maximum(ident["op"], -1) + 1].tolist(),
             "module": modules[module_ids].tolist(),
             "phase": phases[ev["phase"]].tolist(),
         }

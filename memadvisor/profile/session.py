@@ -554,9 +554,6 @@ class ProfileSession:
         self.close()
         detection, boundaries = self.boundaries()
         table = self.recorder.to_table([seq for seq, _ in boundaries])
-        map_seq = getattr(self.recorder, "map_seq", None)
-        if map_seq is not None:  # the native engine leaves host bookkeeping out
-            boundaries = [(map_seq(seq), ns) for seq, ns in boundaries]
         meta = schema.TraceMeta(
             script=os.path.abspath(script) if script else "",
             argv=metadata.argv_of(script, list(args or [])),

@@ -87,7 +87,10 @@ class _Net(nn.Module):
 
     def forward(self, x):
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.use_checkpoint else block(x)
+            # preserve_rng_state=False: the CPU RNG state it would keep per block (5 KB, as
+            # big as this toy block's activations) is not what this test is about
+            x = checkpoint(block, x, use_reentrant=False, preserve_rng_state=False) \
+                if self.use_checkpoint else block(x)
         return x
 
 
