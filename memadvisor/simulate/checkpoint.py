@@ -10,7 +10,8 @@ For each checkpointed region (a module path and its submodules; '' is the whole 
   checkpoint stops recomputing early there); recomputed activations then die at their
   original backward frees, recomputed temporaries as they did in forward;
 * on a CPU model, ``preserve_rng_state`` keeps a copy of the CPU generator state
-  (``CPU_RNG_STATE_BYTES``) from the region's forward until its recompute.
+  (``CPU_RNG_STATE_BYTES``) from the region's forward until its backward is done, and the
+  recompute (under ``fork_rng``) holds one more while it runs.
 
 Regions are located from alloc events only: a free row carries its storage's allocation
 module, not the module running when it is freed.
@@ -94,10 +95,14 @@ def _checkpoint_region(timeline: Timeline, region: str, device_type: str):
     rows["phase"] = np.full(int(replay.sum()), _BACKWARD, np.int8)
     out = out.appended(rows)
     if device_type == "cpu":
+        # the generator state saved in forward lives until the region's backward is done
+        # (checkpoint's frame lets go of it then); the recompute runs under fork_rng, which
+        # holds the current state meanwhile
         out = out.appended({
-            "size": np.array([CPU_RNG_STATE_BYTES], float),
-            "alloc_key": np.array([start - 0.5]), "free_key": np.array([recompute_end]),
-            "category": np.array([CATEGORY_CODE[schema.OTHER]], np.int8),
-            "phase": np.array([_FORWARD], np.int8)})
+            "size": np.full(2, CPU_RNG_STATE_BYTES, float),
+            "alloc_key": np.array([start - 0.5, squeeze(start - 0.5)]),
+            "free_key": np.array([float(backward_allocs[-1]) + 0.5, recompute_end]),
+            "category": np.full(2, CATEGORY_CODE[schema.OTHER], np.int8),
+            "phase": np.array([_FORWARD, _BACKWARD], np.int8)})
     effect = RegionEffect(region, int(timeline.size[saved].sum()), (start, int(last_saved)))
     return out, effect
