@@ -183,9 +183,13 @@ def build_app(board: Dashboard, budget_text: str = "") -> dash.Dash:
 
 def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
     @app.callback(Output("timeline", "figure"), Output("timeline-caption", "children"),
-                  Input("step", "value"), Input("budget", "value"))
-    def _timeline(step, budget):
-        return board.timeline_view(step, budget)
+                  Input("step", "value"), Input("budget", "value"),
+                  Input("timeline", "clickData"))
+    def _timeline(step, budget, click_data):
+        # a new step has no selected moment yet: the last click belonged to the old figure
+        if dash.ctx.triggered_id == "step":
+            click_data = None
+        return board.timeline_view(step, budget, click_data)
 
     @app.callback(Output("moment-caption", "children"), Output("moment-breakdown", "figure"),
                   Output("moment-table", "data"),

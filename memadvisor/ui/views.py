@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
 
 from ..errors import UserError
@@ -55,9 +56,10 @@ class Dashboard:
         step = self.data.analysed_step
         return ui_data.WHOLE_RUN if step is None else step
 
-    def timeline_view(self, step_value: Any, budget_text: Any = None
-                      ) -> tuple[go.Figure, str]:
-        """The step's timeline (budget line when the budget input parses) and its caption."""
+    def timeline_view(self, step_value: Any, budget_text: Any = None,
+                      click_data: dict | None = None) -> tuple[go.Figure, str]:
+        """The step's timeline (budget line when the budget input parses, a line at the
+        clicked moment) and its caption."""
         step = ui_data.step_value(step_value)
         try:
             budget = parse_budget(budget_text)
@@ -66,6 +68,14 @@ class Dashboard:
         timeline = self.data.timeline(step)
         fig = figures.timeline_figure(timeline, budget_bytes=budget)
         fig.update_layout(clickmode="event", height=420)
+        position = ui_data.clicked_position(self.data, step, click_data)
+        if position is not None:
+            # the moment the table below describes
+            point = int(np.searchsorted(timeline.positions,
+                                        position - self.data.step_window(step).start))
+            x = float(timeline.time_ms[min(point, timeline.points - 1)])
+            fig.add_vline(x=x, line_width=1, line_dash="dot", line_color="#333",
+                          annotation_text="selected", annotation_position="top left")
         peak = timeline.peak or {}
         caption = (f"{timeline.events_in_step:,} events in the step, drawn as "
                    f"{timeline.points:,} points (each bucket keeps its lowest and highest "

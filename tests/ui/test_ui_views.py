@@ -75,6 +75,12 @@ def test_a_click_shows_the_storages_alive_at_that_event(board):
     # a stale click (index beyond this figure) falls back to the nearest time
     stale = {"points": [{"pointIndex": 10**6, "x": float(timeline.time_ms[index])}]}
     assert board.moment_view(step, stale)[2] == rows
+    # the timeline marks the selected moment (and only once there is one)
+    marked, _ = board.timeline_view(step, None, click)
+    dotted = [s for s in marked.layout.shapes if s.line.dash == "dot"]
+    assert len(dotted) == 1 and dotted[0].x0 == float(timeline.time_ms[index])
+    plain, _ = board.timeline_view(step)
+    assert not [s for s in plain.layout.shapes if s.line.dash == "dot"]
 
 
 def test_selecting_a_step_changes_the_figure_and_the_moment(board):
