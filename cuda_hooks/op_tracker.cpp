@@ -838,38 +838,40 @@ MA_API void ma_t_copy_shapes(int64_t* out, int64_t n) {
   n = std::min<int64_t>(n, static_cast<int64_t>(t.shapes.size()));
   std::memcpy(out, t.shapes.data(), static_cast<size_t>(n) * sizeof(int64_t));
 }
-// marks and owners as (sid, value) pairs; returns how many were copied
-MA_API int64_t ma_t_mark_count(void) {
-  auto& t = tt();
+// marks and owners as (sid, value) pairs; the copies return how many were copied
+namespace tracker {
+using SidMap = std::unordered_map<int64_t, int32_t>;
+
+int64_t pair_count(SidMap T::*map) {
+  T& t = tt();
   std::lock_guard<std::mutex> g(t.mu);
-  return static_cast<int64_t>(t.marks.size());
+  return static_cast<int64_t>((t.*map).size());
+}
+
+int64_t copy_pairs(SidMap T::*map, int64_t* sids, int32_t* values, int64_t cap) {
+  T& t = tt();
+  std::lock_guard<std::mutex> g(t.mu);
+  int64_t i = 0;
+  for (const auto& kv : t.*map) {
+    if (i >= cap) break;
+    sids[i] = kv.first;
+    values[i++] = kv.second;
+  }
+  return i;
+}
+}  // namespace tracker
+
+MA_API int64_t ma_t_mark_count(void) {
+  return tracker::pair_count(&tracker::T::marks);
 }
 MA_API int64_t ma_t_copy_marks(int64_t* sids, int32_t* values, int64_t cap) {
-  auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
-  int64_t i = 0;
-  for (const auto& kv : t.marks) {
-    if (i >= cap) break;
-    sids[i] = kv.first;
-    values[i++] = kv.second;
-  }
-  return i;
+  return tracker::copy_pairs(&tracker::T::marks, sids, values, cap);
 }
 MA_API int64_t ma_t_owner_count(void) {
-  auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
-  return static_cast<int64_t>(t.owners.size());
+  return tracker::pair_count(&tracker::T::owners);
 }
 MA_API int64_t ma_t_copy_owners(int64_t* sids, int32_t* values, int64_t cap) {
-  auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
-  int64_t i = 0;
-  for (const auto& kv : t.owners) {
-    if (i >= cap) break;
-    sids[i] = kv.first;
-    values[i++] = kv.second;
-  }
-  return i;
+  return tracker::copy_pairs(&tracker::T::owners, sids, values, cap);
 }
 MA_API int32_t ma_t_op_count(void) {
   auto& t = tt();

@@ -35,24 +35,10 @@ class TrackingMode(TorchDispatchMode):
         self._native = None
         self._native_next_seq = None
         self._internal_blocks: dict[int, int] = {}  # data ptr -> alloc row
-        # data ptrs of storages logged while the outermost op runs: an op can hand out a
-        # view of a block it allocated before the allocator hook's events for that block
-        # are absorbed (gloo splits its reduce-scatter clone in a nested op)
-        self._logged_ptrs: set[int] = set()
-        self._depth = 0
         #: set by the session: notices the start of backward before the op is logged
         self.before_op = lambda args, kwargs: None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self._depth == 0 and self._logged_ptrs:
-            self._logged_ptrs.clear()
-        self._depth += 1
-        try:
-            return self._dispatch(func, args, kwargs)
-        finally:
-            self._depth -= 1
-
-    def _dispatch(self, func, args, kwargs):
         kwargs = kwargs or {}
         self.before_op(args, kwargs)
         native = self.native
@@ -86,7 +72,7 @@ class TrackingMode(TorchDispatchMode):
             if recorder.lookup(storage) is not None:
                 if storage.nbytes() > recorder.size_of(storage):
                     recorder.check_resize(storage, op_name, self._shape(tensor),
-                                          self.locator.locate(3))
+                                          self.locator.locate(2))
                 continue
             self._log_alloc(tensor, storage, op_name)
         if cast and _is_parameter_cast(recorder, args):
@@ -148,12 +134,10 @@ class TrackingMode(TorchDispatchMode):
                         self._log_alloc(tensor, storage, op_name, size)
                     else:
                         self.recorder.check_resize(storage, op_name, self._shape(tensor),
-                                                   self.locator.locate(3), size)
+                                                   self.locator.locate(2), size)
                     continue
-                if ptr in self._logged_ptrs:
-                    continue  # already a storage: a nested op returned a view of it
                 if source is None:
-                    source = self.locator.locate(3)
+                    source = self.locator.locate(2)
                 internal[ptr] = self.recorder.internal_alloc(size, "cpu", op_name, source)
             else:
                 row = internal.pop(ptr, None)
@@ -175,9 +159,7 @@ class TrackingMode(TorchDispatchMode):
         if dtype is None:
             dtype = self._dtype_names[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
         self.recorder.alloc(storage, str(device), dtype, self._shape(tensor), op_name,
-                            self.locator.locate(4), size_bytes)
-        if self._native is not None:
-            self._logged_ptrs.add(storage.data_ptr())
+                            self.locator.locate(3), size_bytes)
 
     def _shape(self, tensor) -> str:
         size = tensor.shape

@@ -161,7 +161,7 @@ class ProfileSession:
             def run_backward(*args, **kwargs):
                 if session._in_backward:  # nested (reentrant checkpoint): one backward
                     return original(*args, **kwargs)
-                session._native_backward_begins(args[0] if args else kwargs.get(
+                session._backward_begins(args[0] if args else kwargs.get(
                     "tensors", kwargs.get("outputs")))
                 try:
                     return original(*args, **kwargs)
@@ -174,7 +174,7 @@ class ProfileSession:
         torch.autograd.backward = wrap(torch.autograd.backward)
         torch.autograd.grad = wrap(torch.autograd.grad)
 
-    def _native_backward_begins(self, tensors) -> None:
+    def _backward_begins(self, tensors) -> None:
         if self.engine != "native":
             self._in_backward = True
             self.recorder.phase = schema.BACKWARD
