@@ -18,6 +18,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import (
     register_module_forward_hook, register_module_forward_pre_hook,
 )
+from torch.nn.modules.conv import _ConvNd
+
+from .probes import conv_spec
 
 _Tensor = torch.Tensor
 
@@ -82,6 +85,8 @@ class ModuleTracker:
         #: False where the module of backward work is known otherwise (the native engine
         #: links each backward node to the forward op that made it)
         self.backward_hooks = backward_hooks
+        #: module path -> how to rebuild each CPU convolution at its last call (probes.py)
+        self.convolutions: dict[str, dict] = {}
 
     # --- naming ------------------------------------------------------------------------
     def name_of(self, module: torch.nn.Module) -> str:
@@ -127,6 +132,10 @@ class ModuleTracker:
             self._on_root_forward(module, args)
         name = self.name_of(module)
         self._forward_stack.append(name)
+        if isinstance(module, _ConvNd):
+            spec = conv_spec(module, args)
+            if spec is not None:
+                self.convolutions[name] = spec
         self._on_change(name)
         if self.backward_hooks and torch._C._current_graph_task_id() == -1:
             inputs = _grad_tensors(args)

@@ -31,6 +31,7 @@ from ..trace import analysis, schema
 from . import metadata
 from .dispatch import TrackingMode, _storage, _tensors
 from .modules import ModuleTracker, clean_path
+from .probes import probe_convolutions
 from .recorder import EventRecorder
 from .source import SourceLocator
 
@@ -549,11 +550,18 @@ class ProfileSession:
         return "backward", self._backward_boundaries
 
     def build(self, *, script: str | None = None, args: list[str] | None = None,
-              status: str = "completed", error: str = ""):
-        """The events table and metadata of what was recorded so far."""
+              status: str = "completed", error: str = "", probe: bool = True):
+        """The events table and metadata of what was recorded so far.  ``probe``: also
+        measure the script's convolutions in 16-bit (probes.py), after the events are
+        collected."""
         self.close()
         detection, boundaries = self.boundaries()
         table = self.recorder.to_table([seq for seq, _ in boundaries])
+        op_stats = self._op_stats()
+        probes = {}
+        if probe and self.modules.convolutions:
+            probes["convolution"] = probe_convolutions(
+                self.modules.convolutions, lambda: ProfileSession(engine=self.engine))
         meta = schema.TraceMeta(
             script=os.path.abspath(script) if script else "",
             argv=metadata.argv_of(script, list(args or [])),
@@ -562,7 +570,8 @@ class ProfileSession:
             steps_completed=len(boundaries),
             step_detection=detection,
             op_stats=[{"module": m, "phase": ph, "op": op, "calls": c, "flops": f}
-                      for (m, ph, op), (c, f) in self._op_stats().items()],
+                      for (m, ph, op), (c, f) in op_stats.items()],
+            probes=probes,
             **self._model_snapshot,
         )
         meta.steps = self._step_infos(table, boundaries)

@@ -137,6 +137,9 @@ DEVICE_RULES = {
             "accumulator_blocks": (128, 64), "packed_bytes_per_inner": 256,
             "overhead": 1664, "weight_gradient_block": 64,
             "weight_gradient_overhead": 1792, "min_inner": 32},
+        #: oneDNN's 16-bit convolution blocks as the profiler measured them on this CPU
+        #: (meta.probes; precision._probed_conv_blocks)
+        "conv_probes": True,
     },
     "cuda": {
         "autocast_lower": _LOWER_COMMON,
@@ -147,6 +150,7 @@ DEVICE_RULES = {
         "collective_copies": {"all_gather": 0, "reduce_scatter": 0,  #: NCCL works in place
                               "held_until_next": False},
         "matmul_scratch": None,  #: cuBLAS's workspace is not a tensor allocation
+        "conv_probes": False,  #: the probes measure oneDNN on the CPU, not cuDNN
     },
 }
 

@@ -57,16 +57,23 @@ def _backward_of(op: str, fp32_ops: frozenset) -> bool:
 
 def apply_precision(timeline: Timeline, precision: str, device_type: str,
                     module_parameter_bytes: dict[str, int] | None = None,
-                    regions: list[str] | tuple = ()) -> Timeline:
-    """``regions``: the checkpointed modules (already applied to ``timeline``)."""
+                    regions: list[str] | tuple = (), probes: dict | None = None,
+                    batch: dict | None = None) -> Timeline:
+    """``regions``: the checkpointed modules (already applied to ``timeline``);
+    ``probes``: the trace's ``meta.probes`` (16-bit kernel blocks measured by the profiler);
+    ``batch``: its ``meta.batch`` (the root forward's inputs)."""
     if precision == "fp32":
         return timeline
     low = LOW_DTYPES[precision]
     if precision == "bf16":
         out = _pure_bf16(timeline, device_type)
+        out = _cast_inputs(out, batch or {}, module_parameter_bytes or {}, low)
     else:
         out = _autocast(timeline, low, device_type, module_parameter_bytes or {}, regions)
+        out = _cast_inputs(out, batch or {}, module_parameter_bytes or {}, low,
+                           device_rules(device_type)["autocast_lower"], len(timeline))
     out = _matmul_scratch(out, len(timeline), low, device_type)
+    out = _probed_conv_blocks(out, low, device_type, probes or {})
     return _fp32_outputs(out, len(timeline))
 
 
@@ -107,9 +114,16 @@ def _matmul_scratch(out: Timeline, original_rows: int, low: str,
     if not rule or low not in rule["dtypes"]:
         return out
     rows = np.arange(original_rows)
-    matmul = rows[out.op_in(rule["ops"])[rows] & out.dtype_in((low,))[rows]
-                  & (out.alloc_key[rows] >= 0) & (out.size[rows] > 0)
-                  & np.isin(out.phase[rows], (_FORWARD, _BACKWARD))]
+    candidate = (out.op_in(rule["ops"])[rows] & (out.alloc_key[rows] >= 0)
+                 & (out.size[rows] > 0) & np.isin(out.phase[rows], (_FORWARD, _BACKWARD)))
+    is_low = out.dtype_in((low,))[rows]
+    # under autocast a weight gradient is computed by a 16-bit matmul and only then cast
+    # into the fp32 .grad: its row stays fp32, its matmul is a 16-bit one all the same
+    low_modules = np.unique(out.module[rows[candidate & is_low
+                                            & (out.phase[rows] == _FORWARD)]])
+    fp32_gradient = (out.category_mask(schema.GRADIENT)[rows] & ~is_low
+                     & np.isin(out.module[rows], low_modules))
+    matmul = rows[candidate & (is_low | fp32_gradient)]
     if not len(matmul):
         return out
     weights: dict[int, list[tuple[int, int]]] = {}
@@ -170,6 +184,66 @@ def _matmul_scratch(out: Timeline, original_rows: int, low: str,
                                           np.int16),
                          "phase": np.asarray(add["phase"], np.int8),
                          "shape": np.array([str(int(x)) for x in add["size"]], dtype=object)})
+
+
+def _probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict) -> Timeline:
+    """A convolution's untyped kernel blocks (oneDNN's reorders and scratch on CPU) as the
+    profiler measured the same module in ``low`` (``meta.probes``, profile/probes.py).
+
+    The trace's blocks of each call are matched in order with the probe's fp32 blocks and
+    each is scaled by the probe's ``low`` / fp32 ratio: a data-sized reorder halves (and,
+    being batch-sized, still follows the micro-batch).  Blocks only the 16-bit kernel
+    makes (oneDNN's bf16 weight-gradient scratch, where fp32 needs none; it comes last)
+    are added after the call's last block, alive for a moment beside the blocks still
+    held, at their measured, batch-independent size.  A module without a probe keeps its
+    recorded blocks."""
+    if not device_rules(device_type).get("conv_probes"):
+        return out
+    measured = {e["module"]: e["raw_bytes"] for e in probes.get("convolution", ())
+                if low in e.get("raw_bytes", {}) and "float32" in e.get("raw_bytes", {})}
+    if not measured:
+        return out
+    raw = out.dtype_in((schema.RAW_BYTES_DTYPE,))
+    conv = [i for i, name in enumerate(out.ops) if "convolution" in name]
+    by_direction = {"forward": [i for i in conv if "backward" not in out.ops[i]],
+                    "backward": [i for i in conv if "backward" in out.ops[i]]}
+    size = out.size.copy()
+    extra: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
+                                               "phase", "op")}
+    for path, blocks in measured.items():
+        if path not in out.modules:
+            continue
+        own = raw & (out.module == out.modules.index(path))
+        for direction, codes in by_direction.items():
+            recorded, target = blocks["float32"][direction], blocks[low][direction]
+            rows = np.flatnonzero(own & np.isin(out.op, codes))
+            count = len(recorded)
+            if not count or len(rows) % count:
+                continue
+            rows = rows[np.argsort(out.alloc_key[rows], kind="stable")]
+            matched = min(count, len(target))
+            ratio = np.array([t / r if r else 1.0 for t, r in zip(target, recorded)]
+                             + [0.0] * (count - matched))  # blocks bf16 does not make
+            size[rows] *= np.tile(ratio, len(rows) // count)
+            for call in rows.reshape(-1, count):
+                last = call[-1]
+                for k, nbytes in enumerate(target[matched:]):
+                    extra["size"].append(float(nbytes))
+                    extra["alloc_key"].append(out.alloc_key[last] + 0.1 * (k + 1))
+                    extra["free_key"].append(out.alloc_key[last] + 0.1 * (k + 1) + 0.05)
+                    extra["module"].append(out.module[last])
+                    extra["phase"].append(out.phase[last])
+                    extra["op"].append(out.op[last])
+    out = out.resized(size)
+    if not extra["size"]:
+        return out
+    count = len(extra["size"])
+    return out.appended({**{k: np.asarray(v) for k, v in extra.items()},
+                         "dtype": np.full(count, out.dtypes.index(schema.RAW_BYTES_DTYPE),
+                                          np.int16),
+                         "phase": np.asarray(extra["phase"], np.int8),
+                         "shape": np.array([str(int(x)) for x in extra["size"]],
+                                           dtype=object)})
 
 
 def _fp32_outputs(out: Timeline, original_rows: int) -> Timeline:
@@ -246,6 +320,55 @@ def _pure_bf16(timeline: Timeline, device_type: str) -> Timeline:
     return out
 
 
+_FLOATING = ("float32", "float64", "float16", "bfloat16")
+
+
+def _cast_inputs(out: Timeline, batch: dict, module_parameter_bytes: dict[str, int],
+                 low: str, lower_ops: frozenset | None = None,
+                 original_rows: int | None = None) -> Timeline:
+    """The 16-bit copy of each floating model input (``meta.batch``), saved by the first
+    module with parameters (a Linear or convolution keeps its input for the weight
+    gradient) until that module's backward ends.  Pure bf16 (``lower_ops`` None): ``apply``
+    casts the root forward's inputs as it begins.  Autocast: the first module's op casts
+    its fp32 input when the op is on the target's low-precision list."""
+    sizes, shapes = [], []
+    for shape, dtype in zip(batch.get("shapes") or (), batch.get("dtypes") or ()):
+        if str(dtype) in _FLOATING and shape:
+            sizes.append(float(np.prod([int(d) for d in shape])) * DTYPE_BYTES[low])
+            shapes.append(",".join(str(int(d)) for d in shape))
+    forward = np.flatnonzero(out.event_phase == _FORWARD)
+    if not sizes or not len(forward):
+        return out
+    owners = {i for i, name in enumerate(out.modules) if module_parameter_bytes.get(name, 0)}
+    first = next((int(m) for m in out.event_module[forward] if int(m) in owners), None)
+    if first is None:
+        return out
+    start = float(forward[0]) - 0.25
+    if lower_ops is not None:
+        own = np.flatnonzero((out.module == first) & (out.phase == _FORWARD)
+                             & (out.alloc_key >= 0))
+        own = own[own < (original_rows or len(out))]  # the recorded ops, not added copies
+        if not len(own):
+            return out
+        row = own[np.argmin(out.alloc_key[own])]
+        if out.ops[out.op[row]] not in lower_ops:
+            return out
+        start = float(out.alloc_key[row]) - 0.25
+    used = np.flatnonzero((out.event_phase == _BACKWARD) & (out.event_module == first))
+    free = float(used[-1]) + 0.5 if len(used) else float(forward[-1])
+    count = len(sizes)
+    if low not in out.dtypes:
+        out = out.with_dtype(np.zeros(0, int), low)
+    return out.appended({
+        "size": np.asarray(sizes), "alloc_key": np.full(count, start),
+        "free_key": np.full(count, free),
+        "category": np.full(count, CATEGORY_CODE[schema.ACTIVATION], np.int8),
+        "dtype": np.full(count, out.dtypes.index(low), np.int16),
+        "module": np.full(count, first, np.int32),
+        "phase": np.full(count, _FORWARD, np.int8),
+        "scales_with_batch": np.ones(count, bool), "shape": np.array(shapes, dtype=object)})
+
+
 def _inside(path: str, regions) -> bool:
     return any(r == "" or path == r or path.startswith(r + ".") for r in regions)
 
@@ -298,7 +421,11 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
         shape_code, _ = pd.factorize(timeline.shape[both])
         keys = timeline.module[both].astype(np.int64) * (int(shape_code.max()) + 1) + shape_code
         is_low[backward[np.isin(keys[len(low_now):], keys[:len(low_now)])]] = True
+        is_low |= _inplace_module_gradients(timeline, low_now, backward)
     out = _resize_to(timeline, is_low, low)
+    if is_low.any():
+        raw_low = _data_sized_kernel_blocks(timeline, np.flatnonzero(is_low))
+        out = out.resized(np.where(raw_low, out.size * DTYPE_BYTES[low] / 4, out.size))
     out = _input_casts(out, timeline, casts, low)
 
     # autocast weight copies of modules that ran a low-precision op
@@ -347,6 +474,41 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
             "module": timeline.module[grads], "phase": np.full(len(grads), _BACKWARD, np.int8),
             "dtype": np.full(len(grads), low_code, np.int16),
             "shape": timeline.shape[grads]})
+    return out
+
+
+def _inplace_module_gradients(timeline: Timeline, low_now: np.ndarray,
+                              backward: np.ndarray) -> np.ndarray:
+    """A module that made nothing in forward (an in-place ``ReLU(inplace=True)``) has a
+    backward whose gradient is shaped like its input, made by a sibling module: it is
+    16-bit where a sibling (same parent path) made a 16-bit tensor of that shape."""
+    out = np.zeros(len(timeline), bool)
+    made_forward = set(timeline.module[(timeline.phase == _FORWARD)].tolist())
+    silent = backward[~np.isin(timeline.module[backward], list(made_forward))]
+    if not len(silent):
+        return out
+    parent = [name.rpartition(".")[0] for name in timeline.modules]
+    low_keys = {(parent[int(m)], str(shape))
+                for m, shape in zip(timeline.module[low_now], timeline.shape[low_now])}
+    for row in silent:
+        out[row] = (parent[int(timeline.module[row])], str(timeline.shape[row])) in low_keys
+    return out
+
+
+def _data_sized_kernel_blocks(timeline: Timeline, low_now: np.ndarray) -> np.ndarray:
+    """A kernel's untyped backward block as large as one of its module's forward tensors
+    that became 16-bit (batch norm's backward workspace) is that tensor's data: 16-bit too.
+    Convolutions are left to the probes (``_probed_conv_blocks``)."""
+    out = np.zeros(len(timeline), bool)
+    raw = np.flatnonzero(timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
+                         & (timeline.phase == _BACKWARD) & (timeline.size > 0))
+    if not len(raw) or not len(low_now):
+        return out
+    conv = np.array(["convolution" in op for op in timeline.ops] or [False])
+    raw = raw[~conv[timeline.op[raw]]]
+    low_keys = set(zip(timeline.module[low_now].tolist(), timeline.size[low_now].tolist()))
+    for row in raw:
+        out[row] = (int(timeline.module[row]), float(timeline.size[row])) in low_keys
     return out
 
 

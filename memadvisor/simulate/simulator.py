@@ -125,7 +125,8 @@ def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
         if regions:
             timeline, _ = apply_checkpoint(timeline, regions, hw.device_type)
         timeline = apply_precision(timeline, plan.precision, hw.device_type,
-                                   base.module_parameter_bytes, regions)
+                                   base.module_parameter_bytes, regions, base.meta.probes,
+                                   base.meta.batch)
         if plan.precision == "amp-fp16":
             timeline = _add_persistent(timeline, scaler_bytes(plan.precision), schema.OTHER)
         if cache is not None:

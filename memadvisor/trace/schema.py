@@ -143,6 +143,11 @@ class TraceMeta:
     #: the CUDA caching allocator's own record where a GPU was used (see cuda_hooks)
     allocator: dict[str, Any] = field(default_factory=dict)
     profiler_overhead: dict[str, Any] = field(default_factory=dict)
+    #: what the recording machine's kernels allocate for the trace's ops in 16-bit,
+    #: measured after the run (profile/probes.py): {'convolution': [{'module',
+    #: 'input_shape', 'threads', 'raw_bytes': {dtype: {'forward': [bytes, ...],
+    #: 'backward': [...]}}} or {..., 'skipped': why}]}
+    probes: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
