@@ -44,8 +44,11 @@ EXAMPLE_PLANS = [
     "shard=ddp,world=2", "shard=zero1,world=2", "shard=zero2,world=2", "shard=zero3,world=2",
     "shard=zero2,world=4,hybrid=2", "shard=zero3,world=2,checkpoint=auto",
 ]
-#: FSDP2 cases on gloo: how long gloo's reduce-scatter copies live is timing-dependent
+#: FSDP2 cases on gloo: how long gloo's reduce-scatter copies live is timing-dependent,
+#: so each runs ``--fsdp-runs`` times and the highest peak is compared
 FSDP = ("zero2", "zero3")
+#: (example, plan) -> the lowest measured peak of its runs
+LOWEST: dict[tuple[str, str], int] = {}
 
 
 def loop_cases():
@@ -87,7 +90,7 @@ def apply_available() -> bool:
     return result.returncode == 0
 
 
-def example_cases(folder: str, examples=None, plans=None):
+def example_cases(folder: str, examples=None, plans=None, fsdp_runs: int = 1):
     from memadvisor.plan import Plan, PlanError
     from memadvisor.simulate import prepare, simulate
     from memadvisor.trace.analysis import analysed_step
@@ -114,25 +117,41 @@ def example_cases(folder: str, examples=None, plans=None):
                 skipped.append((name, spec, "memadvisor apply is not available"))
                 continue
             tag = spec.replace("=", "-").replace(",", "_").replace("+", "p")
-            measured_path = os.path.join(folder, f"{name}__{tag}.trace")
-            if not os.path.exists(measured_path):
-                rewritten = os.path.join(folder, f"{name}__{tag}_memadvisor.py")
-                result = subprocess.run(
-                    [sys.executable, "-m", "memadvisor.cli", "apply", script, "--plan", spec,
-                     "-o", rewritten, "-q", "--profile", measured_path, "--profile-steps", "3",
-                     "--", *args, "--device", "cpu", "--steps", "5"],
-                    capture_output=True, text=True, cwd=ROOT, timeout=600)
+            fsdp = Plan.parse(spec).shard in FSDP
+            peaks, why = [], ""
+            for run in range(fsdp_runs if fsdp else 1):
+                suffix = f".run{run}" if run else ""
+                measured_path = os.path.join(folder, f"{name}__{tag}{suffix}.trace")
                 if not os.path.exists(measured_path):
-                    skipped.append((name, spec, (result.stderr.strip().splitlines()
-                                                 or ["failed"])[-1]))
-                    continue
-            trace = read_trace(measured_path)
-            measured = int(trace.meta.steps[analysed_step(trace)]["peak_bytes"])
+                    why = _apply_run(script, spec, args, measured_path,
+                                     os.path.join(folder, f"{name}__{tag}_memadvisor.py"))
+                if os.path.exists(measured_path):
+                    trace = read_trace(measured_path)
+                    peaks.append(int(trace.meta.steps[analysed_step(trace)]["peak_bytes"]))
+            if not peaks:
+                skipped.append((name, spec, why))
+                continue
             how = "memadvisor apply --profile, rank 0"
-            if Plan.parse(spec).shard in FSDP:
-                how += " (FSDP2, gloo)"
-            rows.append((name, spec, predicted, measured, how))
+            if fsdp:
+                # gloo's worker thread frees what a collective used when the scheduler lets
+                # it: the peak differs run to run; what a budget must hold is the highest
+                how += (f" (FSDP2, gloo): highest of {len(peaks)} runs; lowest "
+                        f"{min(peaks):,} ({(min(peaks) - max(peaks)) / max(peaks):+.1%})")
+            rows.append((name, spec, predicted, max(peaks), how))
+            LOWEST[(name, spec)] = min(peaks)
     return rows, skipped
+
+
+def _apply_run(script: str, spec: str, args: list[str], trace_path: str,
+               rewritten: str) -> str:
+    """One ``memadvisor apply --profile`` run; returns its last error line ('' if none)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "memadvisor.cli", "apply", script, "--plan", spec,
+         "-o", rewritten, "-q", "--profile", trace_path, "--profile-steps", "3",
+         "--", *args, "--device", "cpu", "--steps", "5"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return "" if os.path.exists(trace_path) else (
+        result.stderr.strip().splitlines() or ["failed"])[-1]
 
 
 def table(rows, when: str, machine: str) -> str:
@@ -160,6 +179,9 @@ def main(argv=None) -> int:
                         help="Run only these examples (repeatable).")
     parser.add_argument("--plan", dest="plans", action="append",
                         help="Run only these plans (repeatable).")
+    parser.add_argument("--fsdp-runs", type=int, default=5,
+                        help="Runs of each zero2/zero3 case (gloo's timing varies the peak); "
+                             "the highest peak is compared (default 5).")
     parser.add_argument("--keep", default=None,
                         help="Keep (and reuse) the profiled traces in this folder.")
     args = parser.parse_args(argv)
@@ -172,7 +194,7 @@ def main(argv=None) -> int:
         folder = args.keep or tempfile.mkdtemp(prefix="memadvisor-matrix-")
         os.makedirs(folder, exist_ok=True)
         try:
-            r, s = example_cases(folder, args.example, args.plans)
+            r, s = example_cases(folder, args.example, args.plans, args.fsdp_runs)
             rows += r
             skipped += s
         finally:
@@ -190,6 +212,9 @@ def main(argv=None) -> int:
     print(_summary("hand-modified loops", loops)[0])
     print(_summary("apply runs without zero2/zero3", applied)[0])
     print(_summary("zero2/zero3 (FSDP2)", fsdp)[0])
+    print(_summary("zero2/zero3 against their lowest run (gloo's thread on time)",
+                   [(c, p_, pred, LOWEST.get((c, p_), m), h)
+                    for c, p_, pred, m, h in fsdp])[0])
     if skipped:
         print(f"\n{len(skipped)} cases not measured:")
         for case, spec, why in skipped:

@@ -421,7 +421,7 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
         shape_code, _ = pd.factorize(timeline.shape[both])
         keys = timeline.module[both].astype(np.int64) * (int(shape_code.max()) + 1) + shape_code
         is_low[backward[np.isin(keys[len(low_now):], keys[:len(low_now)])]] = True
-        is_low |= _inplace_module_gradients(timeline, low_now, backward)
+        is_low |= _sibling_gradients(timeline, is_low, backward)
     out = _resize_to(timeline, is_low, low)
     if is_low.any():
         raw_low = _data_sized_kernel_blocks(timeline, np.flatnonzero(is_low))
@@ -477,21 +477,29 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     return out
 
 
-def _inplace_module_gradients(timeline: Timeline, low_now: np.ndarray,
-                              backward: np.ndarray) -> np.ndarray:
-    """A module that made nothing in forward (an in-place ``ReLU(inplace=True)``) has a
-    backward whose gradient is shaped like its input, made by a sibling module: it is
-    16-bit where a sibling (same parent path) made a 16-bit tensor of that shape."""
+def _sibling_gradients(timeline: Timeline, is_low: np.ndarray,
+                       backward: np.ndarray) -> np.ndarray:
+    """A backward tensor not shaped like anything its own module made in forward is the
+    gradient of the module's input, made by a sibling (same parent path): the input of a
+    convolution after a pooling layer, the input an in-place ``ReLU`` modified.  It is
+    16-bit where the siblings' forward tensors of that shape are all 16-bit (a residual
+    stream of the same shape in fp32 leaves it undecided: kept)."""
     out = np.zeros(len(timeline), bool)
-    made_forward = set(timeline.module[(timeline.phase == _FORWARD)].tolist())
-    silent = backward[~np.isin(timeline.module[backward], list(made_forward))]
-    if not len(silent):
+    forward = np.flatnonzero((timeline.phase == _FORWARD) & (timeline.alloc_key >= 0)
+                             & timeline.dtype_in(("float32", "float16", "bfloat16")))
+    own = set(zip(timeline.module[forward].tolist(), timeline.shape[forward].tolist()))
+    orphans = [row for row in backward
+               if (int(timeline.module[row]), timeline.shape[row]) not in own]
+    if not orphans:
         return out
     parent = [name.rpartition(".")[0] for name in timeline.modules]
-    low_keys = {(parent[int(m)], str(shape))
-                for m, shape in zip(timeline.module[low_now], timeline.shape[low_now])}
-    for row in silent:
-        out[row] = (parent[int(timeline.module[row])], str(timeline.shape[row])) in low_keys
+    status: dict[tuple[str, str], set] = {}
+    for row in forward:
+        status.setdefault((parent[int(timeline.module[row])], timeline.shape[row]),
+                          set()).add(bool(is_low[row]))
+    for row in orphans:
+        out[row] = status.get((parent[int(timeline.module[row])], timeline.shape[row])) \
+            == {True}
     return out
 
 

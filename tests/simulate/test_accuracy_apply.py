@@ -15,6 +15,8 @@ import accuracy_matrix  # noqa: E402
 CASES = {
     "gpt_lm": ["optimizer=sgd", "precision=amp-bf16"],
     # bf16 on CPU: oneDNN's matmul scratch blocks (device rule ``matmul_scratch``)
+    # oneDNN's bf16 convolution blocks from the profiler's probes (meta.probes)
+    "cnn_classifier": ["precision=amp-bf16,checkpoint=auto,accum=2"],
     "mlp_regressor": ["accum=2", "shard=ddp,world=2",
                       "precision=bf16,optimizer=sgd-momentum,accum=2"],
 }

@@ -1,0 +1,59 @@
+"""The profiler's 16-bit convolution probes (profile/probes.py, ``meta.probes``)."""
+import torch
+import torch.nn as nn
+
+from memadvisor.profile import probes
+from memadvisor.profile.session import ProfileSession
+
+
+def _profile(model, x):
+    with ProfileSession() as session:
+        # a real gradient (``sum`` alone would hand back an expanded, stride-0 one)
+        model(x).square().sum().backward()
+    return session
+
+
+def _net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2))
+
+
+def test_each_cpu_convolution_is_probed_in_fp32_and_bf16():
+    torch.manual_seed(0)
+    session = _profile(_net(), torch.randn(2, 3, 12, 12))
+    before = torch.get_rng_state()
+    table, meta = session.build()
+    # the probe builds modules and inputs of its own: the script's RNG stream is untouched
+    assert torch.equal(before, torch.get_rng_state())
+    entries = {e["module"]: e for e in meta.probes["convolution"]}
+    assert set(entries) == {"0", "2"}
+    assert entries["2"]["input_shape"] == [2, 8, 12, 12]
+    events = table.to_pandas()
+    raw = events[(events["action"] == "alloc") & (events["dtype"] == "bytes")
+                 & (events["op"] == "aten::convolution_backward")]
+    for entry in entries.values():
+        assert set(entry["raw_bytes"]) == {"float32", "bfloat16"}
+    # rebuilt at the recorded shapes, the fp32 probes allocate what the script's calls did
+    # (compared over both modules: the dispatch engine names backward modules differently)
+    assert sorted(int(b) for b in raw["size_bytes"]) == sorted(
+        b for e in entries.values() for b in e["raw_bytes"]["float32"]["backward"])
+
+
+def test_no_convolution_no_probe():
+    session = _profile(nn.Linear(4, 4), torch.randn(2, 4))
+    assert session.build()[1].probes == {}
+
+
+def test_a_failing_probe_is_recorded_not_raised(monkeypatch):
+    def broken(spec, dtype):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(probes, "_run", broken)
+    session = _profile(_net(), torch.randn(2, 3, 12, 12))
+    _, meta = session.build()
+    assert all("no such kernel" in e["skipped"] for e in meta.probes["convolution"])
+
+
+def test_first_convolution_input_without_grad_is_probed_so():
+    spec = probes.conv_spec(nn.Conv2d(3, 4, 3), (torch.randn(1, 3, 8, 8),))
+    assert spec["input_requires_grad"] is False and spec["weight_requires_grad"] is True
+    assert probes.conv_spec(nn.Linear(3, 4), (torch.randn(1, 3),)) is None
