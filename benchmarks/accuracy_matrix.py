@@ -14,11 +14,19 @@ Two sources of measurements:
 Prints one Markdown table (kept in docs/ACCURACY.md) and the median / worst error, over
 all cases and by group (loops, apply runs without FSDP, zero2/zero3); exits 1 when, over
 all cases, the median error is above 1% or the worst above 3% (the CPU targets).
+
+zero2/zero3 on gloo are a race: gloo's worker thread frees what a collective used either
+at once or, when the scheduler runs it late, only around the main thread's next
+collective, so one plan measures one of two peaks run to run.  The simulator's ``peak_bytes`` is the late outcome (what a
+budget must hold); each such case runs ``--fsdp-runs`` times, the table compares the
+prediction with the highest run, and the exit status takes each run against the
+predicted outcome (late, or on time: the CPU rule ``held_until_next`` off) nearer to it.
 ``--keep DIR`` keeps the traces (and reuses them: delete a trace to measure it again).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -47,8 +55,9 @@ EXAMPLE_PLANS = [
 #: FSDP2 cases on gloo: how long gloo's reduce-scatter copies live is timing-dependent,
 #: so each runs ``--fsdp-runs`` times and the highest peak is compared
 FSDP = ("zero2", "zero3")
-#: (example, plan) -> the lowest measured peak of its runs
-LOWEST: dict[tuple[str, str], int] = {}
+#: (example, plan) -> the worst error of its runs, each against the nearer of the two
+#: predicted outcomes of gloo's race (its worker thread late: ``peak_bytes``; on time)
+RACE: dict[tuple[str, str], float] = {}
 
 
 def loop_cases():
@@ -137,9 +146,30 @@ def example_cases(folder: str, examples=None, plans=None, fsdp_runs: int = 1):
                 # it: the peak differs run to run; what a budget must hold is the highest
                 how += (f" (FSDP2, gloo): highest of {len(peaks)} runs; lowest "
                         f"{min(peaks):,} ({(min(peaks) - max(peaks)) / max(peaks):+.1%})")
+            if fsdp:
+                with _prompt_release():
+                    prompt = simulate(base, Plan.parse(spec)).peak_bytes
+                # each run against the predicted outcome of gloo's race nearer to it
+                worst = max(min(abs(p - prompt), abs(p - predicted)) / p for p in peaks)
+                how += (f"; predicted if gloo's thread is never late: {prompt:,}; every run "
+                        f"within {worst:.2%} of one of the two predictions")
+                RACE[(name, spec)] = worst
             rows.append((name, spec, predicted, max(peaks), how))
-            LOWEST[(name, spec)] = min(peaks)
     return rows, skipped
+
+
+@contextlib.contextmanager
+def _prompt_release():
+    """The simulator with gloo's buffers freed at once (its other bound): the CPU rule
+    ``held_until_next`` off for the duration."""
+    from memadvisor.simulate.hardware import DEVICE_RULES
+    rule = DEVICE_RULES["cpu"]["collective_copies"]
+    saved = rule["held_until_next"]
+    rule["held_until_next"] = False
+    try:
+        yield
+    finally:
+        rule["held_until_next"] = saved
 
 
 def _apply_run(script: str, spec: str, args: list[str], trace_path: str,
@@ -211,10 +241,15 @@ def main(argv=None) -> int:
     print("\n" + line)
     print(_summary("hand-modified loops", loops)[0])
     print(_summary("apply runs without zero2/zero3", applied)[0])
-    print(_summary("zero2/zero3 (FSDP2)", fsdp)[0])
-    print(_summary("zero2/zero3 against their lowest run (gloo's thread on time)",
-                   [(c, p_, pred, LOWEST.get((c, p_), m), h)
-                    for c, p_, pred, m, h in fsdp])[0])
+    print(_summary("zero2/zero3 (FSDP2), predicted vs highest run", fsdp)[0])
+    if RACE:
+        # gloo's worker thread frees what a collective used either at once or when the
+        # main thread next waits: each run hits one of the two outcomes, both predicted
+        errors = [abs(p - m) / m for c, s_, p, m, _ in rows if (c, s_) not in RACE]
+        errors += list(RACE.values())
+        print(f"all cases, each zero2/zero3 run against the predicted outcome of gloo's "
+              f"race it hit: {len(errors)} cases, median error "
+              f"{statistics.median(errors):.2%}, worst {max(errors):.2%}")
     if skipped:
         print(f"\n{len(skipped)} cases not measured:")
         for case, spec, why in skipped:

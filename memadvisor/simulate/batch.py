@@ -10,6 +10,9 @@ dimension is
 * another multiple of ``B`` (B*heads, ...) in a tensor of two or more dimensions *and*
   the shape is not a parameter's shape
   (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay);
+* a shape that is both (a) and a parameter's ((B*T, C) where the vocabulary is B*T) scales
+  unless the row ends where a gradient of that shape is made from it (a tied weight's
+  gradient from one of its uses, an embedding's dense gradient);
 * a kernel's raw block (dtype ``bytes``, no shape) scales when its byte size equals that of
   a batch-scaled tensor of the same module (a convolution backward's im2col buffer).
 
@@ -72,10 +75,31 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
         flags = (by_shape[inverse] & ~raw & ~resized
                  & np.isin(timeline.category, _SCALING_CATEGORIES)
                  & np.isin(timeline.phase, _SCALING_PHASES))
+        # a shape both batch-sized and a parameter's ((B*T, C) = (vocab, C)): a backward
+        # contribution summed into that parameter's gradient is weight-sized
+        ambiguous = flags & (exact & is_param_shape)[inverse]
+        if ambiguous.any():
+            flags &= ~_gradient_contributions(timeline, ambiguous)
         flags |= raw & _sized_like_batch_rows(timeline, flags) & np.isin(
             timeline.category, _SCALING_CATEGORIES) & np.isin(timeline.phase, _SCALING_PHASES)
     out = timeline.resized(timeline.size)
     out.scales_with_batch = flags
+    return out
+
+
+def _gradient_contributions(timeline: Timeline, rows: np.ndarray) -> np.ndarray:
+    """Rows (of ``rows``) that end where a gradient of their shape is made from them: a
+    tied weight's gradient from one use (the LM head's ``mm``) or the embedding's dense
+    gradient, held until autograd sums the uses into ``.grad``."""
+    out = np.zeros(len(timeline), bool)
+    grads = np.flatnonzero(timeline.category_mask(schema.GRADIENT)
+                           & (timeline.alloc_key >= 0))
+    if not len(grads):
+        return out
+    for row in np.flatnonzero(rows):
+        made = timeline.alloc_key[grads[timeline.shape[grads] == timeline.shape[row]]]
+        out[row] = bool(((made > timeline.alloc_key[row]) & (made <= timeline.free_key[row])
+                         & (timeline.free_key[row] - made <= 2)).any())
     return out
 
 
