@@ -20,13 +20,13 @@ at once or, when the scheduler runs it late, only around the main thread's next
 collective, so one plan measures one of two peaks run to run.  The simulator's ``peak_bytes`` is the late outcome (what a
 budget must hold); each such case runs ``--fsdp-runs`` times, the table compares the
 prediction with the highest run, and the exit status takes each run against the
-predicted outcome (late, or on time: the CPU rule ``held_until_next`` off) nearer to it.
+predicted outcome (late, or on time: ``peak_bytes_if_collectives_free_at_once``) nearer
+to it.
 ``--keep DIR`` keeps the traces (and reuses them: delete a trace to measure it again).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import platform
@@ -118,7 +118,8 @@ def example_cases(folder: str, examples=None, plans=None, fsdp_runs: int = 1):
         base = prepare(read_trace(baseline))
         for spec in plans or EXAMPLE_PLANS:
             try:
-                predicted = simulate(base, Plan.parse(spec)).peak_bytes
+                prediction = simulate(base, Plan.parse(spec))
+                predicted = prediction.peak_bytes
             except PlanError as exc:
                 skipped.append((name, spec, str(exc)))
                 continue
@@ -147,8 +148,7 @@ def example_cases(folder: str, examples=None, plans=None, fsdp_runs: int = 1):
                 how += (f" (FSDP2, gloo): highest of {len(peaks)} runs; lowest "
                         f"{min(peaks):,} ({(min(peaks) - max(peaks)) / max(peaks):+.1%})")
             if fsdp:
-                with _prompt_release():
-                    prompt = simulate(base, Plan.parse(spec)).peak_bytes
+                prompt = prediction.notes["peak_bytes_if_collectives_free_at_once"]
                 # each run against the predicted outcome of gloo's race nearer to it
                 worst = max(min(abs(p - prompt), abs(p - predicted)) / p for p in peaks)
                 how += (f"; predicted if gloo's thread is never late: {prompt:,}; every run "
@@ -156,20 +156,6 @@ def example_cases(folder: str, examples=None, plans=None, fsdp_runs: int = 1):
                 RACE[(name, spec)] = worst
             rows.append((name, spec, predicted, max(peaks), how))
     return rows, skipped
-
-
-@contextlib.contextmanager
-def _prompt_release():
-    """The simulator with gloo's buffers freed at once (its other bound): the CPU rule
-    ``held_until_next`` off for the duration."""
-    from memadvisor.simulate.hardware import DEVICE_RULES
-    rule = DEVICE_RULES["cpu"]["collective_copies"]
-    saved = rule["held_until_next"]
-    rule["held_until_next"] = False
-    try:
-        yield
-    finally:
-        rule["held_until_next"] = saved
 
 
 def _apply_run(script: str, spec: str, args: list[str], trace_path: str,

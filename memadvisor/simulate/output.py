@@ -34,6 +34,9 @@ def prediction_dict(base: Baseline, prediction: Prediction, hw: Hardware) -> dic
         "out_of_memory": prediction.out_of_memory,
         "per_rank": plan.world > 1,
         "hardware": hw.name,
+        #: gloo (CPU) shard plans: the peak when its worker thread frees at once
+        "peak_bytes_if_collectives_free_at_once": prediction.notes.get(
+            "peak_bytes_if_collectives_free_at_once"),
     }
 
 
@@ -51,6 +54,10 @@ def simulate_text(data: dict) -> str:
     per = " per rank" if data["per_rank"] else ""
     lines.append(f"peak{per}: {format_bytes(data['peak_bytes'])}   baseline "
                  f"{format_bytes(data['baseline_peak_bytes'])}")
+    if data.get("peak_bytes_if_collectives_free_at_once") is not None:
+        lines.append(f"  (gloo's worker thread frees collective buffers when it is scheduled: "
+                     f"{format_bytes(data['peak_bytes_if_collectives_free_at_once'])} in a "
+                     f"run where it is on time; the peak above is the late case)")
     if data["reserved_bytes"] is not None and data["reserved_bytes"] != data["peak_bytes"]:
         lines.append(f"allocator: allocated {format_bytes(data['allocated_bytes'])}, "
                      f"reserved {format_bytes(data['reserved_bytes'])}")

@@ -140,7 +140,8 @@ def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
 
 
 def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None = None,
-              cache: dict | None = None) -> tuple[Timeline, list[str], dict, dict, int]:
+              cache: dict | None = None, collective_copies: dict | None = None
+              ) -> tuple[Timeline, list[str], dict, dict, int]:
     """The plan's per-rank timeline for one micro-step (steps 1-6 of the module doc).
 
     ``cache`` (a dict the caller keeps, e.g. ``advise`` over thousands of plans) holds the
@@ -160,8 +161,9 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
         timeline = scale_batch(timeline, micro / base.batch_size)
     else:
         micro = 0
+    copies = collective_copies or device_rules(hw.device_type)["collective_copies"]
     timeline, notes = apply_sharding(timeline, plan, base.blocks, base.block_parameter_fraction,
-                                     device_rules(hw.device_type)["collective_copies"])
+                                     copies)
     timeline, host = apply_offload(timeline, plan)
     # accumulation (7) is evaluated on this one-micro-step timeline: accumulated_peak
     return timeline, regions, notes, host, micro
@@ -229,6 +231,15 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
     hw = hw or hardware(None, base.meta.device)
     timeline, regions, notes, host, micro = transform(base, plan, hw, micro_batch, cache)
     peak = accumulated_peak(timeline, plan.accum, categories)
+    copies = device_rules(hw.device_type)["collective_copies"]
+    if cache is None and plan.shard in FSDP_SHARDS and copies.get("held_until_next"):
+        # gloo's worker thread frees what a collective used at once or, scheduled late,
+        # around the next collective: a race.  ``peak_bytes`` is the late outcome; say
+        # what a run where the thread is on time measures too
+        prompt, *_ = transform(base, plan, hw, micro_batch, None,
+                               {**copies, "held_until_next": False})
+        notes["peak_bytes_if_collectives_free_at_once"] = accumulated_peak(
+            prompt, plan.accum, False).bytes
     allocated = reserved = None
     oom = False
     if run_allocator and hw.device_type == "cuda":

@@ -49,3 +49,21 @@ def test_cpu_target_predicts_at_least_the_prompt_case(base):
         rules.update(saved)
     assert held >= prompt
     assert DEVICE_RULES["cuda"]["collective_copies"]["held_until_next"] is False
+
+
+def test_simulate_reports_both_outcomes_of_gloos_race(base):
+    plan = Plan.parse("shard=zero3,world=2")
+    prediction = simulate(base, plan, hardware(None, "cpu"))
+    prompt = prediction.notes["peak_bytes_if_collectives_free_at_once"]
+    assert 0 < prompt <= prediction.peak_bytes
+    rules = DEVICE_RULES["cpu"]["collective_copies"]
+    saved = dict(rules)
+    try:
+        rules["held_until_next"] = False
+        assert simulate(base, plan, hardware(None, "cpu")).peak_bytes == prompt
+    finally:
+        rules.clear()
+        rules.update(saved)
+    # NCCL works in place: no race, no second figure
+    gpu = simulate(base, plan, hardware("h100-80gb"))
+    assert "peak_bytes_if_collectives_free_at_once" not in gpu.notes
