@@ -31,9 +31,9 @@ def summarize(trace: Trace, top: int = TOP_SITES) -> dict[str, Any]:
     meta = trace.meta
     live = analysis.live_bytes(events)
     step = analysis.analysed_step(trace)
-    window = analysis.step_slice(events, step)
-    position, peak_bytes = analysis.peak_in(live, window)
     lives = analysis.lifetimes(events)
+    at_peak = peak_sites(events, live, lives, step, top)
+    position, peak_bytes = at_peak["position"], at_peak["peak_bytes"]
     alive = analysis.alive_at(lives, position) if position >= 0 else lives.iloc[:0]
     durations = {s["index"]: s.get("duration_s") for s in meta.steps}
     steps = [{"index": s["index"], "peak_bytes": s["peak_bytes"],
@@ -59,11 +59,25 @@ def summarize(trace: Trace, top: int = TOP_SITES) -> dict[str, Any]:
         "steps": steps,
         "parameter_bytes": int(meta.parameter_bytes),
         "buffer_bytes": int(meta.buffer_bytes),
-        "gradient_bytes": _most_alive(events, schema.GRADIENT, window),
-        "optimizer_state_bytes": _alive_at_end(events, schema.OPTIMIZER_STATE, window),
-        "top_sites": _top_sites(alive, top),
-        "top_activation_modules": _activation_modules(events, lives, window),
+        "gradient_bytes": at_peak["gradient_bytes"],
+        "optimizer_state_bytes": at_peak["optimizer_state_bytes"],
+        "top_sites": at_peak["top_sites"],
+        "top_activation_modules": at_peak["top_activation_modules"],
     }
+
+
+def peak_sites(events, live, lives, step: int | None, top: int = TOP_SITES) -> dict[str, Any]:
+    """One step's peak (``step`` None: the whole run): its event position and bytes, the
+    largest allocation sites alive there, the modules holding the most activations when
+    activations peak, and the step's gradient and optimizer-state bytes."""
+    window = analysis.step_slice(events, step)
+    position, peak_bytes = analysis.peak_in(live, window)
+    alive = analysis.alive_at(lives, position) if position >= 0 else lives.iloc[:0]
+    return {"position": position, "peak_bytes": peak_bytes,
+            "gradient_bytes": _most_alive(events, schema.GRADIENT, window),
+            "optimizer_state_bytes": _alive_at_end(events, schema.OPTIMIZER_STATE, window),
+            "top_sites": _top_sites(alive, top),
+            "top_activation_modules": _activation_modules(events, lives, window)}
 
 
 def _most_alive(events, category: str, window: slice) -> int:
@@ -152,4 +166,4 @@ def shorten_paths(summary: dict[str, Any], base: str) -> None:
             site["source_file"] = os.path.relpath(site["source_file"], base)
 
 
-__all__ = ["summarize", "summary_text", "shorten_paths"]
+__all__ = ["summarize", "summary_text", "shorten_paths", "peak_sites"]

@@ -68,29 +68,14 @@ def _controls(board: Dashboard, budget_text: str) -> html.Div:
 
 
 def _sites_section(board: Dashboard) -> html.Section:
-    summary = board.data.summary
-    rows = []
-    for site, code in zip(summary["top_sites"], board.data.source_code):
-        where = (f"{site['source_file']}:{site['source_line']} in {site['source_function']}"
-                 if site["source_file"] else "(no user frame)")
-        rows.append({"size": format_bytes(site["bytes"]), "bytes": site["bytes"],
-                     "count": site["count"], "category": site["category"], "op": site["op"],
-                     "module": site["module"] or "(top level)", "source": where,
-                     "code": code})
-    step = summary["analysed_step"]
-    where = "the whole run" if step is None else f"step {step}, the analysed step"
-    modules = summary["top_activation_modules"]
+    caption, rows, modules = board.sites_view(board.default_step())
     return _section(
         "Largest allocation sites alive at the peak",
-        html.P(f"Peak of {where}: {format_bytes(summary['peak_bytes'])}. Model state: "
-               f"parameters {format_bytes(summary['parameter_bytes'])}, gradients "
-               f"{format_bytes(summary['gradient_bytes'])}, optimizer state "
-               f"{format_bytes(summary['optimizer_state_bytes'])}.", style=META_STYLE),
+        html.P(caption, id="sites-caption", style=META_STYLE),
         dash_table.DataTable(id="sites-table", columns=_columns(SITE_COLUMNS), data=rows,
                              **TABLE_STYLE),
         html.H3("Activations per module", style={"fontSize": "16px"}),
-        dcc.Graph(id="modules", figure=figures.modules_figure(modules), config=GRAPH_CONFIG)
-        if modules else html.P("No activations were saved.", style=META_STYLE),
+        dcc.Graph(id="modules", figure=modules, config=GRAPH_CONFIG),
         section_id="sites")
 
 
@@ -199,6 +184,12 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
         if dash.ctx.triggered_id == "step":
             click_data = None
         return board.moment_view(step, click_data)
+
+    @app.callback(Output("sites-caption", "children"), Output("sites-table", "data"),
+                  Output("modules", "figure"), Input("step", "value"),
+                  prevent_initial_call=True)
+    def _sites(step):
+        return board.sites_view(step)
 
     @app.callback(Output("headline", "children"), Input("budget", "value"),
                   Input("gpus", "value"))

@@ -24,7 +24,7 @@ from ..report.compare import compare_traces
 from ..report.timeline import StepTimeline, step_timeline
 from ..trace import analysis
 from ..trace.io import Trace, read_trace
-from ..trace.summary import shorten_paths, summarize
+from ..trace.summary import peak_sites, shorten_paths, summarize
 
 #: rows of the "alive at this moment" table sent to the page (largest first)
 MAX_MOMENT_ROWS = 200
@@ -61,10 +61,10 @@ class DashboardData:
     summary: dict[str, Any]
     live: np.ndarray  #: live bytes after each event (``analysis.live_bytes``)
     lives: pd.DataFrame  #: one row per storage (``analysis.lifetimes``)
-    source_code: list[str]  #: the code line of each top site ('' where unknown)
     baseline: Trace | None = None
     comparison: dict[str, Any] | None = None
     _timelines: dict = field(default_factory=dict, repr=False)
+    _sites: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -82,6 +82,20 @@ class DashboardData:
     def step_window(self, step: int | None) -> slice:
         return analysis.step_slice(self.trace.events, step)
 
+    def sites(self, step: int | None) -> dict[str, Any]:
+        """``summary.peak_sites`` of ``step`` (None: the whole run), each top site with
+        its code line (``code``) and its path relative to the script's folder; cached."""
+        with self._lock:
+            if step not in self._sites:
+                sites = peak_sites(self.trace.events, self.live, self.lives, step)
+                base = self.trace.meta.cwd or os.getcwd()
+                for site, code in zip(sites["top_sites"],
+                                      read_source_code(sites["top_sites"], base)):
+                    site["code"] = code
+                shorten_paths(sites, base)
+                self._sites[step] = sites
+            return self._sites[step]
+
 
 def load(trace_path: str, baseline_path: str | None = None) -> DashboardData:
     """Read the trace (and baseline); a missing or damaged file is a one-line TraceError."""
@@ -93,12 +107,11 @@ def load(trace_path: str, baseline_path: str | None = None) -> DashboardData:
 def from_traces(trace: Trace, baseline: Trace | None = None) -> DashboardData:
     summary = summarize(trace)
     base = trace.meta.cwd or os.getcwd()
-    source_code = read_source_code(summary["top_sites"], base)
     shorten_paths(summary, base)
     comparison = compare_traces(baseline, trace) if baseline is not None else None
     return DashboardData(trace=trace, summary=summary,
                          live=analysis.live_bytes(trace.events),
-                         lives=analysis.lifetimes(trace.events), source_code=source_code,
+                         lives=analysis.lifetimes(trace.events),
                          baseline=baseline, comparison=comparison)
 
 

@@ -108,6 +108,30 @@ class Dashboard:
         rows = [dict(r, size=format_bytes(r["bytes"])) for r in m.rows]
         return caption, fig, rows
 
+    def sites_view(self, step_value: Any) -> tuple[str, list[dict[str, Any]], go.Figure]:
+        """The step's largest allocation sites alive at its peak (a caption, the table's
+        rows) and the modules holding the most activations."""
+        step = ui_data.step_value(step_value)
+        sites = self.data.sites(step)
+        rows = []
+        for site in sites["top_sites"]:
+            where = (f"{site['source_file']}:{site['source_line']} in "
+                     f"{site['source_function']}" if site["source_file"]
+                     else "(no user frame)")
+            rows.append({"size": format_bytes(site["bytes"]), "bytes": site["bytes"],
+                         "count": site["count"], "category": site["category"],
+                         "op": site["op"], "module": site["module"] or "(top level)",
+                         "source": where, "code": site["code"]})
+        where = ("the whole run" if step is None else
+                 f"step {step}" + (", the analysed step" if step == self.data.analysed_step
+                                   else ""))
+        meta = self.data.trace.meta
+        caption = (f"Peak of {where}: {format_bytes(sites['peak_bytes'])}. Model state: "
+                   f"parameters {format_bytes(meta.parameter_bytes)}, gradients "
+                   f"{format_bytes(sites['gradient_bytes'])}, optimizer state "
+                   f"{format_bytes(sites['optimizer_state_bytes'])}.")
+        return caption, rows, figures.modules_figure(sites["top_activation_modules"])
+
     # -- the plans -----------------------------------------------------------------------
 
     def headline_text(self, budget_text: Any, gpus_value: Any) -> str:

@@ -10,6 +10,8 @@ import numpy as np
 import plotly.utils
 import pytest
 
+from memadvisor.units import format_bytes
+
 from memadvisor.errors import UserError
 from memadvisor.plan import Plan
 from memadvisor.report.synthetic import make_trace
@@ -98,6 +100,19 @@ def test_selecting_a_step_changes_the_figure_and_the_moment(board):
     assert sum(r["bytes"] for r in rows_0) == peak_0
     assert board.moment_view(0)[0] != board.moment_view(2)[0]  # another event
     assert caption.startswith(f"{board.data.timeline(0).events_in_step:,} events in the step")
+
+
+def test_top_sites_follow_the_selected_step(board):
+    caption_2, rows_2, _ = board.sites_view(2)
+    caption_0, rows_0, modules_0 = board.sites_view(0)
+    assert "step 2, the analysed step" in caption_2 and "step 0:" in caption_0
+    # the sites of step 0 are those alive at step 0's own peak: they sum to at most it
+    peak_0 = analysis.peak_in(board.data.live, board.data.step_window(0))[1]
+    assert format_bytes(peak_0) in caption_0
+    assert 0 < sum(r["bytes"] for r in rows_0) <= peak_0
+    assert rows_2 == board.sites_view(2)[1]  # cached, same answer
+    assert all(r["code"] is not None for r in rows_0)
+    assert len(modules_0.data) == 1
 
 
 def test_budget_line_follows_the_budget_input(board):
