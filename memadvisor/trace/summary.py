@@ -26,12 +26,14 @@ TOP_SITES = 10
 TOP_MODULES = 10
 
 
-def summarize(trace: Trace, top: int = TOP_SITES) -> dict[str, Any]:
+def summarize(trace: Trace, top: int = TOP_SITES, *, live=None, lives=None) -> dict[str, Any]:
+    """``live`` / ``lives``: ``analysis.live_bytes`` / ``analysis.lifetimes`` of the trace's
+    events where the caller has them already (the dashboard keeps both)."""
     events = trace.events
     meta = trace.meta
-    live = analysis.live_bytes(events)
+    live = analysis.live_bytes(events) if live is None else live
     step = analysis.analysed_step(trace)
-    lives = analysis.lifetimes(events)
+    lives = analysis.lifetimes(events) if lives is None else lives
     at_peak = peak_sites(events, live, lives, step, top)
     position, peak_bytes = at_peak["position"], at_peak["peak_bytes"]
     alive = analysis.alive_at(lives, position) if position >= 0 else lives.iloc[:0]

@@ -105,13 +105,11 @@ def load(trace_path: str, baseline_path: str | None = None) -> DashboardData:
 
 
 def from_traces(trace: Trace, baseline: Trace | None = None) -> DashboardData:
-    summary = summarize(trace)
-    base = trace.meta.cwd or os.getcwd()
-    shorten_paths(summary, base)
+    live, lives = analysis.live_bytes(trace.events), analysis.lifetimes(trace.events)
+    summary = summarize(trace, live=live, lives=lives)
+    shorten_paths(summary, trace.meta.cwd or os.getcwd())
     comparison = compare_traces(baseline, trace) if baseline is not None else None
-    return DashboardData(trace=trace, summary=summary,
-                         live=analysis.live_bytes(trace.events),
-                         lives=analysis.lifetimes(trace.events),
+    return DashboardData(trace=trace, summary=summary, live=live, lives=lives,
                          baseline=baseline, comparison=comparison)
 
 
