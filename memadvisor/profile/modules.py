@@ -20,9 +20,10 @@ from torch.nn.modules.module import (
 )
 from torch.nn.modules.conv import _ConvNd
 
-from .probes import conv_spec
+from .probes import module_spec
 
 _Tensor = torch.Tensor
+_PROBED = (_ConvNd, torch.nn.Linear)
 
 
 def _grad_tensors(value) -> list[torch.Tensor]:
@@ -85,8 +86,9 @@ class ModuleTracker:
         #: False where the module of backward work is known otherwise (the native engine
         #: links each backward node to the forward op that made it)
         self.backward_hooks = backward_hooks
-        #: module path -> how to rebuild each CPU convolution at its last call (probes.py)
-        self.convolutions: dict[str, dict] = {}
+        #: module path -> (kind, how to rebuild it at its last call) for each CPU
+        #: convolution and Linear (probes.py)
+        self.probe_specs: dict[str, tuple[str, dict]] = {}
 
     # --- naming ------------------------------------------------------------------------
     def name_of(self, module: torch.nn.Module) -> str:
@@ -132,10 +134,10 @@ class ModuleTracker:
             self._on_root_forward(module, args)
         name = self.name_of(module)
         self._forward_stack.append(name)
-        if isinstance(module, _ConvNd):
-            spec = conv_spec(module, args)
+        if isinstance(module, _PROBED):
+            spec = module_spec(module, args)
             if spec is not None:
-                self.convolutions[name] = spec
+                self.probe_specs[name] = spec
         self._on_change(name)
         if self.backward_hooks and torch._C._current_graph_task_id() == -1:
             inputs = _grad_tensors(args)

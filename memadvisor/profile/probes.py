@@ -1,20 +1,25 @@
 """Device probes: what the recording machine's kernels allocate for the same op in 16-bit.
 
-An fp32 trace cannot show what a bf16 plan's kernels allocate besides their outputs.  For
-most ops the blocks are data-sized and halve; oneDNN's bf16 convolution backward on CPU
-is the exception: its weight-gradient scratch is batch-independent and neither the fp32
-block nor half of it (it depends on the weight *and* the spatial size, through oneDNN's
-per-thread buffers; six shapes of one CNN fit no formula, docs/ACCURACY.md).  So the
-profiler measures it instead of guessing: after the run, each convolution module the
-script ran on the CPU is rebuilt at its recorded input shape, run forward and backward
-once in fp32 and once in bf16, and the untyped blocks its kernels allocate are written to
-the trace (``meta.probes['convolution']``).  The simulator, which imports no torch, maps
-the trace's blocks onto them (``simulate.precision``).
+An fp32 trace cannot show what a bf16 plan's kernels allocate besides their outputs.  On
+CPU oneDNN's bf16 kernels allocate scratch blocks that MKL's fp32 gemm does not, and that
+no formula from shapes reproduces across machines: a convolution's bf16 weight-gradient
+scratch depends on the weight *and* the spatial size through oneDNN's per-thread buffers
+(six shapes of one CNN fit no formula, docs/ACCURACY.md), a matmul's on the ISA's blocking.
+So the profiler measures them instead of guessing: after the run, each convolution and
+Linear module the script ran on the CPU is rebuilt at its recorded input shape, run
+forward and backward in fp32 and in bf16, and the untyped blocks its kernels allocate are
+written to the trace (``meta.probes``).  The simulator, which imports no torch, maps the
+trace onto them (``simulate.precision``).
 
-Cost: one forward+backward of each distinct convolution, twice; skipped for inputs over
-``MAX_PROBE_ELEMENTS`` (and then the simulator falls back to halving data-sized blocks).
-The probe runs after the trace's events are collected, in its own recording session, and
-leaves the global RNG as it was.
+* ``convolution``: per module, the blocks of one call in order, per direction and dtype;
+* ``linear``: per module, the bytes of the forward matmul's blocks and of the backward's
+  input-gradient and weight-gradient matmuls, at the recorded rows and at half of them
+  (how much of a block follows the micro-batch), in bf16; and how many blocks fp32 made.
+
+Cost: a few forward+backward passes of each distinct module (milliseconds for the bundled
+examples); skipped for inputs over ``MAX_PROBE_ELEMENTS``.  The probe runs after the
+trace's events are collected, in its own recording session, and leaves the global RNG as
+it was.
 """
 from __future__ import annotations
 
@@ -24,20 +29,29 @@ import torch
 
 from ..trace import schema
 
-#: the CPU target runs convolutions in bf16 under amp-bf16 and pure bf16 (no fp16 autocast)
+#: the CPU target runs matmuls and convolutions in bf16 under amp-bf16 and pure bf16
 PROBE_DTYPES = ("float32", "bfloat16")
 MAX_PROBE_ELEMENTS = 1 << 26
 _CONV_CLASSES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
                  torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
 
 
-def conv_spec(module: torch.nn.Module, args: tuple) -> dict[str, Any] | None:
-    """What rebuilding ``module`` at this call needs, or None (not a CPU convolution)."""
-    cls = next((c for c in _CONV_CLASSES if isinstance(module, c)), None)
-    if cls is None or not args or not isinstance(args[0], torch.Tensor):
+def module_spec(module: torch.nn.Module, args: tuple) -> tuple[str, dict[str, Any]] | None:
+    """(kind, what rebuilding ``module`` at this call needs), or None (not a CPU Linear or
+    convolution)."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu":
         return None
     x = args[0]
-    if x.device.type != "cpu" or module.weight.device.type != "cpu":
+    common = dict(input_shape=list(x.shape), input_requires_grad=bool(x.requires_grad))
+    if isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward:
+        if module.weight.device.type != "cpu" or x.dim() < 1:
+            return None
+        return "linear", dict(common, cls=torch.nn.Linear, kwargs=dict(
+            in_features=module.in_features, out_features=module.out_features,
+            bias=module.bias is not None), weight_requires_grad=bool(
+                module.weight.requires_grad), channels_last=False)
+    cls = next((c for c in _CONV_CLASSES if isinstance(module, c)), None)
+    if cls is None or module.weight.device.type != "cpu":
         return None
     kwargs = dict(in_channels=module.in_channels, out_channels=module.out_channels,
                   kernel_size=module.kernel_size, stride=module.stride,
@@ -45,11 +59,15 @@ def conv_spec(module: torch.nn.Module, args: tuple) -> dict[str, Any] | None:
                   bias=module.bias is not None, padding_mode=module.padding_mode)
     if module.transposed:
         kwargs["output_padding"] = module.output_padding
-    return dict(cls=cls, kwargs=kwargs, input_shape=list(x.shape),
-                input_requires_grad=bool(x.requires_grad),
-                weight_requires_grad=bool(module.weight.requires_grad),
-                channels_last=x.dim() == 4 and not x.is_contiguous()
-                and x.is_contiguous(memory_format=torch.channels_last))
+    return "convolution", dict(common, cls=cls, kwargs=kwargs,
+                               weight_requires_grad=bool(module.weight.requires_grad),
+                               channels_last=x.dim() == 4 and not x.is_contiguous()
+                               and x.is_contiguous(memory_format=torch.channels_last))
+
+
+def conv_spec(module: torch.nn.Module, args: tuple) -> dict[str, Any] | None:
+    found = module_spec(module, args)
+    return found[1] if found and found[0] == "convolution" else None
 
 
 def _run(spec: dict, dtype: torch.dtype) -> None:
@@ -67,22 +85,73 @@ def _run(spec: dict, dtype: torch.dtype) -> None:
         y.backward(torch.zeros_like(y))
 
 
-def _raw_blocks(table) -> dict[str, list[int]]:
-    """Allocation sizes of untyped blocks made inside convolution ops, per direction."""
+def _raw_blocks(table, op_filter: str | None) -> dict[str, list[int]]:
+    """Allocation sizes of untyped blocks made in forward and in backward, in order (only
+    inside ops whose name contains ``op_filter``, when given)."""
     frame = table.to_pandas()
-    raw = frame[(frame["action"] == schema.ALLOC) & (frame["dtype"] == schema.RAW_BYTES_DTYPE)
-                & frame["op"].astype(str).str.contains("convolution")]
-    backward = raw["op"].astype(str).str.contains("backward")
+    raw = frame[(frame["action"] == schema.ALLOC) & (frame["dtype"] == schema.RAW_BYTES_DTYPE)]
+    if op_filter:
+        raw = raw[raw["op"].astype(str).str.contains(op_filter)]
+    backward = (raw["op"].astype(str).str.contains("backward")
+                | (raw["phase"].astype(str) == schema.BACKWARD))
     return {"forward": [int(b) for b in raw.loc[~backward, "size_bytes"]],
             "backward": [int(b) for b in raw.loc[backward, "size_bytes"]]}
 
 
-def probe_convolutions(specs: dict[str, dict], session_factory: Callable) -> list[dict]:
-    """One entry per probed module: {'module', 'input_shape', 'threads', 'raw_bytes':
-    {dtype: {'forward': [bytes...], 'backward': [bytes...]}}}; modules whose probe failed
-    or was too large carry 'skipped' instead of 'raw_bytes'."""
-    out = []
-    for path, spec in specs.items():
+def _measure(spec: dict, dtype_name: str, session_factory: Callable,
+             op_filter: str | None = None) -> dict[str, list[int]]:
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        with session_factory() as session:
+            _run(spec, getattr(torch, dtype_name))
+        table, _ = session.build(probe=False)
+    return _raw_blocks(table, op_filter)
+
+
+def _probe_convolution(spec: dict, session_factory: Callable) -> dict:
+    return {"raw_bytes": {name: _measure(spec, name, session_factory, "convolution")
+                          for name in PROBE_DTYPES}}
+
+
+def _probe_linear(spec: dict, session_factory: Callable) -> dict:
+    """The bf16 matmuls' block bytes at the recorded rows and at half of them: the forward
+    ``addmm``, then in backward the input gradient's ``mm`` (when the input needs one)
+    before the weight gradient's (measured alone with the input not needing a gradient)."""
+    shape = spec["input_shape"]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    half = dict(spec, input_shape=[max(1, int(shape[0]) // 2), *shape[1:]]) \
+        if len(shape) > 1 and int(shape[0]) > 1 else None
+    out: dict[str, Any] = {"rows": [rows], "float32_blocks": sum(
+        len(v) for v in _measure(spec, "float32", session_factory).values())}
+    sizes: dict[str, list[int]] = {"forward": [], "input_gradient": [], "weight_gradient": []}
+    for case in (spec, half):
+        if case is None:
+            continue
+        full = _measure(case, "bfloat16", session_factory)
+        weight_only = (_measure(dict(case, input_requires_grad=False), "bfloat16",
+                                session_factory)["backward"]
+                       if case["input_requires_grad"] else full["backward"])
+        weight = sum(weight_only)
+        sizes["forward"].append(sum(full["forward"]))
+        sizes["weight_gradient"].append(weight)
+        sizes["input_gradient"].append(sum(full["backward"]) - weight)
+        if case is half:
+            out["rows"].append(rows * (int(half["input_shape"][0])) // int(shape[0]))
+    out["bfloat16"] = sizes
+    return out
+
+
+_PROBES = {"convolution": _probe_convolution, "linear": _probe_linear}
+
+
+def probe_modules(specs: dict[str, tuple[str, dict]], session_factory: Callable
+                  ) -> dict[str, list[dict]]:
+    """``{kind: [entry, ...]}``, one entry per module: {'module', 'input_shape', 'threads',
+    ...the kind's measurements}, or 'skipped' (why) where the probe failed or the input
+    was too large."""
+    out: dict[str, list[dict]] = {}
+    for path, (kind, spec) in specs.items():
         entry = {"module": path, "input_shape": spec["input_shape"],
                  "threads": torch.get_num_threads()}
         elements = 1
@@ -90,20 +159,10 @@ def probe_convolutions(specs: dict[str, dict], session_factory: Callable) -> lis
             elements *= int(d)
         if elements > MAX_PROBE_ELEMENTS:
             entry["skipped"] = "input too large to probe"
-            out.append(entry)
-            continue
-        try:
-            entry["raw_bytes"] = {name: _probe_one(spec, getattr(torch, name), session_factory)
-                                  for name in PROBE_DTYPES}
-        except Exception as exc:  # a probe must never cost the user their trace
-            entry["skipped"] = f"{type(exc).__name__}: {exc}"[:200]
-        out.append(entry)
+        else:
+            try:
+                entry.update(_PROBES[kind](spec, session_factory))
+            except Exception as exc:  # a probe must never cost the user their trace
+                entry["skipped"] = f"{type(exc).__name__}: {exc}"[:200]
+        out.setdefault(kind, []).append(entry)
     return out
-
-
-def _probe_one(spec: dict, dtype: torch.dtype, session_factory: Callable) -> dict:
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        with session_factory() as session:
-            _run(spec, dtype)
-        table, _ = session.build(probe=False)
-    return _raw_blocks(table)

@@ -31,7 +31,7 @@ from ..trace import analysis, schema
 from . import metadata
 from .dispatch import TrackingMode, _storage, _tensors
 from .modules import ModuleTracker, clean_path
-from .probes import probe_convolutions
+from .probes import probe_modules
 from .recorder import EventRecorder
 from .source import SourceLocator
 
@@ -552,16 +552,16 @@ class ProfileSession:
     def build(self, *, script: str | None = None, args: list[str] | None = None,
               status: str = "completed", error: str = "", probe: bool = True):
         """The events table and metadata of what was recorded so far.  ``probe``: also
-        measure the script's convolutions in 16-bit (probes.py), after the events are
-        collected."""
+        measure the script's convolutions and Linear layers in 16-bit (probes.py), after
+        the events are collected."""
         self.close()
         detection, boundaries = self.boundaries()
         table = self.recorder.to_table([seq for seq, _ in boundaries])
         op_stats = self._op_stats()
         probes = {}
-        if probe and self.modules.convolutions:
-            probes["convolution"] = probe_convolutions(
-                self.modules.convolutions, lambda: ProfileSession(engine=self.engine))
+        if probe and self.modules.probe_specs:
+            probes = probe_modules(self.modules.probe_specs,
+                                   lambda: ProfileSession(engine=self.engine))
         meta = schema.TraceMeta(
             script=os.path.abspath(script) if script else "",
             argv=metadata.argv_of(script, list(args or [])),

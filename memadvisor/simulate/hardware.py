@@ -131,7 +131,8 @@ DEVICE_RULES = {
         #: its worker thread can hold what a collective used until the rank's next one
         "collective_copies": {"all_gather": 1, "reduce_scatter": 1, "held_until_next": True},
         #: oneDNN's bf16 matmul allocates a scratch block per call (fp32 gemm: none);
-        #: sizes fitted to torch 2.13's CPU traces (precision.matmul_scratch_bytes)
+        #: sized by the trace's probes (meta.probes['linear']), else by this formula
+        #: fitted to torch 2.13's CPU traces (precision.matmul_scratch_bytes)
         "matmul_scratch": {
             "ops": frozenset({"aten::mm", "aten::addmm"}), "dtypes": ("bfloat16",),
             "accumulator_blocks": (128, 64), "packed_bytes_per_inner": 256,

@@ -72,7 +72,7 @@ def apply_precision(timeline: Timeline, precision: str, device_type: str,
         out = _autocast(timeline, low, device_type, module_parameter_bytes or {}, regions)
         out = _cast_inputs(out, batch or {}, module_parameter_bytes or {}, low,
                            device_rules(device_type)["autocast_lower"], len(timeline))
-    out = _matmul_scratch(out, len(timeline), low, device_type)
+    out = _matmul_scratch(out, len(timeline), low, device_type, probes or {})
     out = _probed_conv_blocks(out, low, device_type, probes or {})
     return _fp32_outputs(out, len(timeline))
 
@@ -103,16 +103,34 @@ def matmul_scratch_bytes(rule: dict, rows: int, cols: int, inner: int,
     return (inner * rule["packed_bytes_per_inner"] + rule["overhead"], rows * block * 4.0)
 
 
+def probed_matmul_parts(entry: dict, kind: str, low: str) -> tuple[float, float] | None:
+    """(batch-independent, batch-proportional) bytes of a Linear's ``kind`` matmul
+    ('forward', 'input_gradient', 'weight_gradient') from the profiler's probe at the
+    recorded rows and at half of them (``meta.probes['linear']``); None where the probe
+    does not say (no ``low`` run, or fp32 made blocks of its own the trace already holds)."""
+    sizes, rows = entry.get(low, {}).get(kind), entry.get("rows") or []
+    if not sizes or entry.get("float32_blocks", 1) != 0:
+        return None
+    if len(sizes) < 2 or len(rows) < 2 or rows[0] == rows[1]:
+        return float(sizes[0]), 0.0
+    proportional = max(0.0, (sizes[0] - sizes[1]) / (rows[0] - rows[1]) * rows[0])
+    proportional = min(proportional, float(sizes[0]))
+    return float(sizes[0]) - proportional, proportional
+
+
 def _matmul_scratch(out: Timeline, original_rows: int, low: str,
-                    device_type: str) -> Timeline:
+                    device_type: str, probes: dict) -> Timeline:
     """The scratch blocks 16-bit matmuls allocate on targets with a ``matmul_scratch``
     rule (oneDNN's bf16 matmul on CPU: none in an fp32 trace, MKL's fp32 gemm allocates
-    none).  Each is a raw block made right after the matmul's output and freed at once;
-    the inner dimension comes from the module's 2-D parameters (a Linear's weight), the
-    rows of a weight gradient's inner dimension from the module's forward matmul."""
+    none).  Each is a raw block made right after the matmul's output and freed at once.
+    Its size is the profiler's probe of that Linear (``meta.probes['linear']``) where the
+    trace has one, else the rule's formula (fitted to one CPU's oneDNN blocking): the
+    inner dimension from the module's 2-D parameters (a Linear's weight), the rows of a
+    weight gradient's inner dimension from the module's forward matmul."""
     rule = device_rules(device_type).get("matmul_scratch")
     if not rule or low not in rule["dtypes"]:
         return out
+    probed = {e["module"]: e for e in probes.get("linear", ()) if "skipped" not in e}
     rows = np.arange(original_rows)
     candidate = (out.op_in(rule["ops"])[rows] & (out.alloc_key[rows] >= 0)
                  & (out.size[rows] > 0) & np.isin(out.phase[rows], (_FORWARD, _BACKWARD)))
@@ -152,7 +170,8 @@ def _matmul_scratch(out: Timeline, original_rows: int, low: str,
             if module not in forward_rows:
                 continue
             inner, batch_rows = forward_rows[module]
-            parts = matmul_scratch_bytes(rule, m, n, inner, True)
+            parts = _parts(probed, out.modules[module], "weight_gradient", low) or \
+                matmul_scratch_bytes(rule, m, n, inner, True)
             # from just before the gradient: with accumulation a later micro-step's weight
             # gradient is a one-event instance added into .grad, the block meets it there
             start = float(out.alloc_key[row]) - 0.3
@@ -165,7 +184,9 @@ def _matmul_scratch(out: Timeline, original_rows: int, low: str,
                 inner = next((o for o, k in own if k == n), None)
             if inner is None:
                 continue
-            parts = matmul_scratch_bytes(rule, m, n, inner, False)
+            kind = "forward" if out.phase[row] == _FORWARD else "input_gradient"
+            parts = _parts(probed, out.modules[module], kind, low) or \
+                matmul_scratch_bytes(rule, m, n, inner, False)
         for nbytes, scaled in zip(parts, (False, True)):
             if nbytes > 0:
                 add["size"].append(nbytes)
@@ -184,6 +205,11 @@ def _matmul_scratch(out: Timeline, original_rows: int, low: str,
                                           np.int16),
                          "phase": np.asarray(add["phase"], np.int8),
                          "shape": np.array([str(int(x)) for x in add["size"]], dtype=object)})
+
+
+def _parts(probed: dict, path: str, kind: str, low: str) -> tuple[float, float] | None:
+    entry = probed.get(path)
+    return probed_matmul_parts(entry, kind, low) if entry else None
 
 
 def _probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict) -> Timeline:

@@ -38,8 +38,8 @@ def test_each_cpu_convolution_is_probed_in_fp32_and_bf16():
         b for e in entries.values() for b in e["raw_bytes"]["float32"]["backward"])
 
 
-def test_no_convolution_no_probe():
-    session = _profile(nn.Linear(4, 4), torch.randn(2, 4))
+def test_nothing_to_probe_no_probe():
+    session = _profile(nn.LayerNorm(4), torch.randn(2, 4))
     assert session.build()[1].probes == {}
 
 
@@ -57,3 +57,22 @@ def test_first_convolution_input_without_grad_is_probed_so():
     spec = probes.conv_spec(nn.Conv2d(3, 4, 3), (torch.randn(1, 3, 8, 8),))
     assert spec["input_requires_grad"] is False and spec["weight_requires_grad"] is True
     assert probes.conv_spec(nn.Linear(3, 4), (torch.randn(1, 3),)) is None
+
+
+def test_linear_probe_matches_the_same_layer_run_in_bf16():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    session = _profile(model, torch.randn(4, 6, 16))
+    entries = {e["module"]: e for e in session.build()[1].probes["linear"]}
+    assert set(entries) == {"0", "2"}
+    second = entries["2"]
+    assert second["rows"] == [24, 12] and second["input_shape"] == [4, 6, 32]
+    assert set(second["bfloat16"]) == {"forward", "input_gradient", "weight_gradient"}
+    # the script's own layer, run in bf16 and recorded: its forward matmul's blocks
+    bf16 = _profile(model.to(torch.bfloat16), torch.randn(4, 6, 16, dtype=torch.bfloat16))
+    events = bf16.build(probe=False)[0].to_pandas()
+    raw = events[(events["module"] == "2") & (events["action"] == "alloc")
+                 & (events["dtype"] == "bytes") & (events["phase"] == "forward")]
+    assert int(raw["size_bytes"].sum()) == second["bfloat16"]["forward"][0]
+    # the first layer's input needs no gradient: no input-gradient matmul
+    assert entries["0"]["bfloat16"]["input_gradient"] == [0, 0]

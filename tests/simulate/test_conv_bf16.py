@@ -77,3 +77,15 @@ def test_16bit_convolutions_predicted_within_1_percent(baseline, precision):
     predicted = simulate(prepare(baseline), Plan.parse(f"precision={precision}")).peak_bytes
     measured = measured_peak(run(precision))
     assert abs(predicted - measured) / measured <= 0.01, (predicted, measured)
+
+
+def test_probed_matmul_parts_split_fixed_and_batch_sized_bytes():
+    from memadvisor.simulate.precision import probed_matmul_parts
+
+    entry = {"rows": [256, 128], "float32_blocks": 0,
+             "bfloat16": {"forward": [149120, 83584], "weight_gradient": [91904, 91904]}}
+    assert probed_matmul_parts(entry, "forward", "bfloat16") == (18048.0, 131072.0)
+    assert probed_matmul_parts(entry, "weight_gradient", "bfloat16") == (91904.0, 0.0)
+    assert probed_matmul_parts(entry, "forward", "float16") is None
+    # fp32 made blocks of its own: the trace holds them, the probe cannot be added on top
+    assert probed_matmul_parts(dict(entry, float32_blocks=2), "forward", "bfloat16") is None
