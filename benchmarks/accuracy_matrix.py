@@ -44,6 +44,7 @@ EXAMPLES = {
     "gpt_lm": ["--n-layer", "2", "--d-model", "64", "--batch-size", "8"],
     "cnn_classifier": ["--batch-size", "8"],
     "mlp_regressor": ["--batch-size", "16"],
+    "vit_classifier": ["--batch-size", "8"],
 }
 EXAMPLE_PLANS = [
     "checkpoint=auto", "accum=2", "accum=4", "checkpoint=auto,accum=2", "precision=amp-bf16",

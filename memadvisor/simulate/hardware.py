@@ -138,6 +138,8 @@ DEVICE_RULES = {
             "accumulator_blocks": (128, 64), "packed_bytes_per_inner": 256,
             "overhead": 1664, "weight_gradient_block": 64,
             "weight_gradient_overhead": 1792, "min_inner": 32},
+        #: attention's math path (dropout on CPU) computes 16-bit inputs in fp32
+        "sdpa_math_upcast": True,
         #: oneDNN's 16-bit convolution blocks as the profiler measured them on this CPU
         #: (meta.probes; precision._probed_conv_blocks)
         "conv_probes": True,
@@ -152,6 +154,7 @@ DEVICE_RULES = {
                               "held_until_next": False},
         "matmul_scratch": None,  #: cuBLAS's workspace is not a tensor allocation
         "conv_probes": False,  #: the probes measure oneDNN on the CPU, not cuDNN
+        "sdpa_math_upcast": False,  #: flash / memory-efficient kernels take 16-bit as is
     },
 }
 

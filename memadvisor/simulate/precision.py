@@ -39,7 +39,7 @@ PASS_THROUGH = frozenset({
     "aten::gelu", "aten::relu", "aten::silu", "aten::tanh", "aten::sigmoid", "aten::hardtanh",
     "aten::leaky_relu", "aten::elu", "aten::mish", "aten::native_dropout", "aten::bernoulli",
     "aten::dropout", "aten::clone", "aten::_unsafe_view", "aten::view", "aten::transpose",
-    "aten::contiguous", "aten::cat", "aten::split_with_sizes", "aten::_softmax",
+    "aten::contiguous", "aten::split_with_sizes", "aten::_softmax",
     "aten::max_pool2d_with_indices", "aten::avg_pool2d", "aten::adaptive_avg_pool2d",
     "aten::mean", "aten::flatten", "aten::reshape", "aten::permute", "aten::copy_",
     "aten::_reshape_alias", "aten::expand", "aten::max_pool2d",
@@ -48,6 +48,8 @@ PASS_THROUGH = frozenset({
     "aten::_native_batch_norm_legit_functional", "aten::cudnn_batch_norm",
     "aten::batch_norm"})
 LOW_DTYPES = {"amp-bf16": "bfloat16", "bf16": "bfloat16", "amp-fp16": "float16"}
+#: autocast's "promote" ops: the widest input dtype
+_PROMOTE = frozenset({"aten::cat", "aten::stack", "aten::index_copy"})
 
 
 def _backward_of(op: str, fp32_ops: frozenset) -> bool:
@@ -58,10 +60,12 @@ def _backward_of(op: str, fp32_ops: frozenset) -> bool:
 def apply_precision(timeline: Timeline, precision: str, device_type: str,
                     module_parameter_bytes: dict[str, int] | None = None,
                     regions: list[str] | tuple = (), probes: dict | None = None,
-                    batch: dict | None = None) -> Timeline:
+                    batch: dict | None = None,
+                    module_types: dict[str, str] | None = None) -> Timeline:
     """``regions``: the checkpointed modules (already applied to ``timeline``);
     ``probes``: the trace's ``meta.probes`` (16-bit kernel blocks measured by the profiler);
-    ``batch``: its ``meta.batch`` (the root forward's inputs)."""
+    ``batch``: its ``meta.batch`` (the root forward's inputs); ``module_types``: module
+    path -> class name (``meta.modules``)."""
     if precision == "fp32":
         return timeline
     low = LOW_DTYPES[precision]
@@ -69,7 +73,8 @@ def apply_precision(timeline: Timeline, precision: str, device_type: str,
         out = _pure_bf16(timeline, device_type)
         out = _cast_inputs(out, batch or {}, module_parameter_bytes or {}, low)
     else:
-        out = _autocast(timeline, low, device_type, module_parameter_bytes or {}, regions)
+        out = _autocast(timeline, low, device_type, module_parameter_bytes or {}, regions,
+                        module_types)
         out = _cast_inputs(out, batch or {}, module_parameter_bytes or {}, low,
                            device_rules(device_type)["autocast_lower"], len(timeline))
     out = _matmul_scratch(out, len(timeline), low, device_type, probes or {})
@@ -142,6 +147,8 @@ def _matmul_scratch(out: Timeline, original_rows: int, low: str,
     fp32_gradient = (out.category_mask(schema.GRADIENT)[rows] & ~is_low
                      & np.isin(out.module[rows], low_modules))
     matmul = rows[candidate & (is_low | fp32_gradient)]
+    cast_later = np.zeros(len(out), bool)
+    cast_later[rows[candidate & fp32_gradient]] = True
     if not len(matmul):
         return out
     weights: dict[int, list[tuple[int, int]]] = {}
@@ -173,10 +180,14 @@ def _matmul_scratch(out: Timeline, original_rows: int, low: str,
             parts = _parts(probed, out.modules[module], "weight_gradient", low) or \
                 matmul_scratch_bytes(rule, m, n, inner, True)
             # from just before the gradient: with accumulation a later micro-step's weight
-            # gradient is a one-event instance added into .grad, the block meets it there
-            start = float(out.alloc_key[row]) - 0.3
+            # gradient is a one-event instance added into .grad, the block meets it there.
+            # Under autocast the block belongs to the 16-bit gradient (made at -0.25) and
+            # is gone before that is cast into the fp32 .grad
+            start = float(out.alloc_key[row]) - (0.24 if cast_later[row] else 0.3)
+            end = float(out.alloc_key[row]) - 0.1 if cast_later[row] else None
         else:
             start = float(out.alloc_key[row]) + 0.3
+            end = None
             batch_rows = bool(out.scales_with_batch[row])
             if out.phase[row] == _FORWARD:
                 inner = next((k for o, k in own if o == n), None)
@@ -191,7 +202,8 @@ def _matmul_scratch(out: Timeline, original_rows: int, low: str,
             if nbytes > 0:
                 add["size"].append(nbytes)
                 add["alloc_key"].append(start)
-                add["free_key"].append(float(out.alloc_key[row]) + 0.4)
+                add["free_key"].append(float(out.alloc_key[row]) + 0.4 if end is None
+                                       else end)
                 add["module"].append(module)
                 add["phase"].append(out.phase[row])
                 add["scales_with_batch"].append(scaled and batch_rows)
@@ -326,7 +338,8 @@ def _pure_bf16(timeline: Timeline, device_type: str) -> Timeline:
     # the script's data (made between steps, fed as is) stays fp32: only the model is cast
     data = (timeline.phase == PHASE_CODE[schema.OTHER_PHASE]) & timeline.category_mask(
         schema.INPUT, schema.OTHER, schema.TEMPORARY, schema.ACTIVATION)
-    out = _resize_to(timeline, ~keep_fp32 & ~scalar & ~data, "bfloat16")
+    sdpa = _sdpa_math_rows(timeline, device_type)
+    out = _resize_to(timeline, ~keep_fp32 & ~scalar & ~data & ~sdpa, "bfloat16")
     island = np.flatnonzero(keep_fp32 & (timeline.phase == _FORWARD) & (timeline.size > 4))
     if len(island):
         first = island[np.argmin(timeline.alloc_key[island])]
@@ -347,6 +360,36 @@ def _pure_bf16(timeline: Timeline, device_type: str) -> Timeline:
 
 
 _FLOATING = ("float32", "float64", "float16", "bfloat16")
+_SAFE_SOFTMAX = "aten::_safe_softmax"
+
+
+def _sdpa_math_rows(timeline: Timeline, device_type: str) -> np.ndarray:
+    """Rows of scaled-dot-product attention's math path, which on CPU computes 16-bit
+    inputs in fp32 (it upcasts q, k and v and casts the result back): they keep their fp32
+    size in a 16-bit plan.  The path shows in an fp32 trace as ``_safe_softmax`` over
+    (B, H, T, S) scores in the attention's module (flash attention, used without dropout,
+    records its own op instead); its tensors are that module's own rows shaped (B, H, ...)
+    or (B*H, ...) (the batched matmuls), in forward and backward."""
+    out = np.zeros(len(timeline), bool)
+    if not device_rules(device_type).get("sdpa_math_upcast") or \
+            _SAFE_SOFTMAX not in timeline.ops:
+        return out
+    softmax = np.flatnonzero(timeline.op_in((_SAFE_SOFTMAX,))
+                             & (timeline.phase == _FORWARD)
+                             & ~timeline.dtype_in((schema.RAW_BYTES_DTYPE,)))
+    floating = timeline.dtype_in(("float32",))
+    for module in np.unique(timeline.module[softmax]):
+        dims = _dims(timeline.shape[softmax[timeline.module[softmax] == module][0]])
+        if len(dims) != 4:
+            continue
+        batch, heads = dims[0], dims[1]
+        rows = np.flatnonzero((timeline.module == module) & floating
+                              & np.isin(timeline.phase, (_FORWARD, _BACKWARD)))
+        for row in rows:
+            shape = _dims(timeline.shape[row])
+            out[row] = (len(shape) == 4 and shape[:2] == [batch, heads]) or (
+                len(shape) == 3 and shape[0] == batch * heads)
+    return out
 
 
 def _cast_inputs(out: Timeline, batch: dict, module_parameter_bytes: dict[str, int],
@@ -400,7 +443,10 @@ def _inside(path: str, regions) -> bool:
 
 
 def _autocast(timeline: Timeline, low: str, device_type: str,
-              module_parameter_bytes: dict[str, int], regions=()) -> Timeline:
+              module_parameter_bytes: dict[str, int], regions=(),
+              module_types: dict[str, str] | None = None) -> Timeline:
+    module_types = module_types or {}
+    modules_list = timeline.modules
     rules = device_rules(device_type)
     lower_ops, fp32_ops = rules["autocast_lower"], rules["autocast_fp32"]
     forward = np.flatnonzero((timeline.phase == _FORWARD) & (timeline.alloc_key >= 0))
@@ -412,6 +458,18 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     kind_of_op = np.array([2 if op in lower_ops else 1 if op in fp32_ops else
                            3 if op in PASS_THROUGH else 0 for op in timeline.ops] or [0], np.int8)
     kinds = kind_of_op[timeline.op[forward]].tolist()
+    # attention's math path computes in fp32 whatever its inputs (no autocast casts there)
+    # and hands its result back in its inputs' (16-bit) dtype: kind 4.  A Dropout module's
+    # mask and product follow its input: kind 3.  autocast's promote ops (cat, stack) take
+    # the widest input: fp32 where the module holds parameters of its own (a class token
+    # joined to 16-bit patches), else the input's dtype: kind 5.
+    sdpa = _sdpa_math_rows(timeline, device_type)
+    dropout = {i for i, name in enumerate(timeline.modules)
+               if str(module_types.get(name, "")).startswith("Dropout")}
+    promote = {i for i, name in enumerate(timeline.ops) if name in _PROMOTE}
+    kinds = [4 if sdpa[row] else 3 if int(timeline.module[row]) in dropout
+             else 5 if int(timeline.op[row]) in promote else kind
+             for row, kind in zip(forward.tolist(), kinds)]
     previous_low = False
     low_rows: list[bool] = []
     casts: list[tuple[int, int]] = []  #: (fp32 input row, low-precision op row)
@@ -432,10 +490,13 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
             row_low = False
         elif kind == 3:
             row_low = previous_low
+        elif kind == 5:
+            row_low = previous_low and not module_parameter_bytes.get(
+                modules_list[int(timeline.module[forward[i]])], 0)
         else:
             row_low = False  # keeps its recorded dtype
         low_rows.append(row_low)
-        previous_low = row_low
+        previous_low = row_low or kind == 4
         recent.append(i)
     is_low[forward] = np.asarray(low_rows, bool)
     # backward tensors shaped like a 16-bit forward tensor of the same module
@@ -448,6 +509,7 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
         keys = timeline.module[both].astype(np.int64) * (int(shape_code.max()) + 1) + shape_code
         is_low[backward[np.isin(keys[len(low_now):], keys[:len(low_now)])]] = True
         is_low |= _sibling_gradients(timeline, is_low, backward)
+    is_low &= ~sdpa
     out = _resize_to(timeline, is_low, low)
     if is_low.any():
         raw_low = _data_sized_kernel_blocks(timeline, np.flatnonzero(is_low))
@@ -461,21 +523,39 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     rows: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
                                               "category", "phase")}
     itemsize_ratio = DTYPE_BYTES[low] / 4
+    # the first module with parameters reads the script's data, which needs no gradient:
+    # its op saves the input for the weight gradient but not the cast weight, so the copy
+    # dies with autocast's cache (the forward's end; a recompute's own end)
+    forward_events = np.flatnonzero(timeline.event_phase == _FORWARD)
+    forward_end = float(forward_events[-1]) + 0.5 if len(forward_events) else 0.0
+    first_owner = next((int(m) for m in timeline.event_module[forward_events]
+                        if module_parameter_bytes.get(str(modules[int(m)]), 0)), None)
     for code in sorted(ran_low):
         path = str(modules[code])
         owned = module_parameter_bytes.get(path, 0)
         if owned <= 0:
             continue
-        in_module = timeline.module == code
+        saved = code != first_owner
+        # rows of the step only: a gradient alive from the previous step is filed under
+        # backward at key -1, and would start the copy before the step
+        in_module = (timeline.module == code) & (timeline.alloc_key >= 0)
         fwd = timeline.alloc_key[in_module & (timeline.phase == _FORWARD)]
         bwd = timeline.alloc_key[in_module & (timeline.phase == _BACKWARD)]
         start = float(fwd.min()) - 0.5
-        end = float(bwd.max()) + 0.5 if len(bwd) else float(fwd.max()) + 0.5
+        # a saved copy goes with its op's backward node, before that node's weight gradient
+        # is cast into the fp32 .grad (the module's first gradient row)
+        grads_made = timeline.alloc_key[in_module & (timeline.phase == _BACKWARD)
+                                        & timeline.category_mask(schema.GRADIENT)]
+        done = (float(grads_made.min()) - 0.05 if len(grads_made)
+                else float(bwd.max()) + 0.5 if len(bwd) else None)
+        end = done if saved and done is not None else max(forward_end, float(fwd.max()) + 0.5)
         spans = [(start, end)]
         if _inside(path, regions) and len(bwd):
             # checkpointed: nothing saves the copy, autocast's cache dies with the forward;
             # the recompute (the module's first backward rows) casts the weights again
-            spans = [(start, float(fwd.max()) + 0.5), (float(bwd.min()) - 1e-5, end)]
+            again = float(bwd.min()) - 1e-5
+            spans = [(start, float(fwd.max()) + 0.5),
+                     (again, end if saved else again + 0.5)]
         for first, last in spans:
             rows["size"].append(owned * itemsize_ratio)
             rows["alloc_key"].append(first)

@@ -126,7 +126,8 @@ def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
             timeline, _ = apply_checkpoint(timeline, regions, hw.device_type)
         timeline = apply_precision(timeline, plan.precision, hw.device_type,
                                    base.module_parameter_bytes, regions, base.meta.probes,
-                                   base.meta.batch)
+                                   base.meta.batch,
+                                   {m["path"]: m.get("type", "") for m in base.meta.modules})
         if plan.precision == "amp-fp16":
             timeline = _add_persistent(timeline, scaler_bytes(plan.precision), schema.OTHER)
         if cache is not None:
