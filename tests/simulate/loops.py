@@ -110,3 +110,30 @@ def run_autocast(dtype=torch.bfloat16, steps=2) -> Trace:
         pass
     table, meta = session.build()
     return Trace(events=table.to_pandas(), meta=meta)
+
+
+def run_with_apply_precision(model: nn.Module, make_batch, precision: str = "fp32",
+                             steps: int = 2) -> Trace:
+    """Profile ``steps`` AdamW steps of ``model`` with ``precision`` set up by ``apply``'s own
+    helpers (bf16 parameters, autocast and input casts around the root forward);
+    ``make_batch(generator)`` returns (inputs, labels) for cross-entropy."""
+    from memadvisor.apply.precision import cast_parameters, wrap_forward
+    from memadvisor.plan import Plan
+
+    plan = Plan.parse(f"precision={precision}")
+    cast_parameters(model, plan)
+    wrap_forward(model, plan, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    session = ProfileSession(steps=steps)
+    try:
+        with session:
+            for _ in range(steps + 1):
+                x, y = make_batch(gen)
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x).float(), y).backward()
+                opt.step()
+    except StopProfiling:
+        pass
+    table, meta = session.build()
+    return Trace(events=table.to_pandas(), meta=meta)

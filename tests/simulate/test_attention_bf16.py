@@ -8,15 +8,12 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from memadvisor.apply.precision import cast_parameters, wrap_forward
 from memadvisor.plan import Plan
-from memadvisor.profile.session import ProfileSession, StopProfiling
 from memadvisor.simulate import prepare, simulate
 from memadvisor.trace.io import Trace
 
-from loops import measured_peak
+from loops import measured_peak, run_with_apply_precision
 
 _EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "vit_classifier.py")
 
@@ -28,27 +25,12 @@ def _vit_module():
     return module
 
 
-def run(precision: str = "fp32", steps: int = 2) -> Trace:
+def run(precision: str = "fp32") -> Trace:
     vit = _vit_module()
     torch.manual_seed(0)
     model = vit.ViT(image_size=16, patch=4, d_model=32, depth=1, heads=2, dropout=0.1)
-    plan = Plan.parse(f"precision={precision}")
-    cast_parameters(model, plan)
-    wrap_forward(model, plan, "cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    session = ProfileSession(steps=steps)
-    try:
-        with session:
-            for _ in range(steps + 1):
-                images, labels = vit.make_batch(4, 16, 10, gen)
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(images).float(), labels).backward()
-                opt.step()
-    except StopProfiling:
-        pass
-    table, meta = session.build()
-    return Trace(events=table.to_pandas(), meta=meta)
+    return run_with_apply_precision(model, lambda gen: vit.make_batch(4, 16, 10, gen),
+                                    precision)
 
 
 @pytest.fixture(scope="module")

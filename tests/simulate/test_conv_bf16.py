@@ -4,15 +4,12 @@ by ``apply``'s own precision helpers."""
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from memadvisor.apply.precision import cast_parameters, wrap_forward
 from memadvisor.plan import Plan
-from memadvisor.profile.session import ProfileSession, StopProfiling
 from memadvisor.simulate import prepare, simulate
 from memadvisor.trace.io import Trace
 
-from loops import measured_peak
+from loops import measured_peak, run_with_apply_precision
 
 BATCH = 4
 
@@ -30,27 +27,14 @@ class TinyCNN(nn.Module):
         return self.head(self.features(x).mean((2, 3)))
 
 
-def run(precision: str = "fp32", steps: int = 2) -> Trace:
+def run(precision: str = "fp32") -> Trace:
     torch.manual_seed(0)
-    model = TinyCNN()
-    plan = Plan.parse(f"precision={precision}")
-    cast_parameters(model, plan)
-    wrap_forward(model, plan, "cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    session = ProfileSession(steps=steps)
-    try:
-        with session:
-            for _ in range(steps + 1):
-                x = torch.randn(BATCH, 3, 16, 16, generator=gen)
-                y = torch.randint(10, (BATCH,), generator=gen)
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x).float(), y).backward()
-                opt.step()
-    except StopProfiling:
-        pass
-    table, meta = session.build()
-    return Trace(events=table.to_pandas(), meta=meta)
+
+    def batch(gen):
+        return (torch.randn(BATCH, 3, 16, 16, generator=gen),
+                torch.randint(10, (BATCH,), generator=gen))
+
+    return run_with_apply_precision(TinyCNN(), batch, precision)
 
 
 @pytest.fixture(scope="module")
