@@ -30,7 +30,7 @@ from memadvisor.profile import ProfileSession, StopProfiling
 from memadvisor.profile.native_engine import available
 from memadvisor.trace import analysis
 
-EXAMPLES = ("gpt_lm", "cnn_classifier", "mlp_regressor")
+EXAMPLES = ("gpt_lm", "cnn_classifier", "mlp_regressor", "vit_classifier")
 REPO = Path(__file__).resolve().parents[2]
 
 
