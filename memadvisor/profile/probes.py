@@ -16,13 +16,15 @@ trace onto them (``simulate.precision``).
   input-gradient and weight-gradient matmuls, at the recorded rows and at half of them
   (how much of a block follows the micro-batch), in bf16; and how many blocks fp32 made.
 
-Cost: a few forward+backward passes of each distinct module (milliseconds for the bundled
-examples); skipped for inputs over ``MAX_PROBE_ELEMENTS``.  The probe runs after the
+Cost: a few forward+backward passes of each distinct module (modules built and called alike
+are probed once; milliseconds for the bundled examples); skipped for inputs over
+``MAX_PROBE_ELEMENTS`` and once the probes have taken ``PROBE_BUDGET_S``.  The probe runs after the
 trace's events are collected, in its own recording session, and leaves the global RNG as
 it was.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -32,6 +34,8 @@ from ..trace import schema
 #: the CPU target runs matmuls and convolutions in bf16 under amp-bf16 and pure bf16
 PROBE_DTYPES = ("float32", "bfloat16")
 MAX_PROBE_ELEMENTS = 1 << 26
+#: wall time all probes of one trace may take; modules after it are recorded as skipped
+PROBE_BUDGET_S = 30.0
 _CONV_CLASSES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
                  torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
 
@@ -145,23 +149,40 @@ def _probe_linear(spec: dict, session_factory: Callable) -> dict:
 _PROBES = {"convolution": _probe_convolution, "linear": _probe_linear}
 
 
-def probe_modules(specs: dict[str, tuple[str, dict]], session_factory: Callable
-                  ) -> dict[str, list[dict]]:
+def _signature(kind: str, spec: dict) -> tuple:
+    """Modules built alike and called alike allocate alike: probed once (a ResNet's repeated
+    blocks, a transformer's layers)."""
+    return (kind, spec["cls"].__name__, tuple(sorted((k, str(v))
+                                                     for k, v in spec["kwargs"].items())),
+            tuple(spec["input_shape"]), spec["input_requires_grad"],
+            spec["weight_requires_grad"], spec["channels_last"])
+
+
+def probe_modules(specs: dict[str, tuple[str, dict]], session_factory: Callable,
+                  budget_s: float = PROBE_BUDGET_S) -> dict[str, list[dict]]:
     """``{kind: [entry, ...]}``, one entry per module: {'module', 'input_shape', 'threads',
-    ...the kind's measurements}, or 'skipped' (why) where the probe failed or the input
-    was too large."""
+    ...the kind's measurements}, or 'skipped' (why) where the probe failed, the input was
+    too large, or the probes had used ``budget_s`` seconds already."""
     out: dict[str, list[dict]] = {}
+    measured: dict[tuple, dict] = {}
+    started = time.monotonic()
     for path, (kind, spec) in specs.items():
         entry = {"module": path, "input_shape": spec["input_shape"],
                  "threads": torch.get_num_threads()}
         elements = 1
         for d in spec["input_shape"]:
             elements *= int(d)
-        if elements > MAX_PROBE_ELEMENTS:
+        key = _signature(kind, spec)
+        if key in measured:
+            entry.update(measured[key])
+        elif elements > MAX_PROBE_ELEMENTS:
             entry["skipped"] = "input too large to probe"
+        elif time.monotonic() - started > budget_s:
+            entry["skipped"] = f"probes past their {budget_s:g} s budget"
         else:
             try:
-                entry.update(_PROBES[kind](spec, session_factory))
+                measured[key] = _PROBES[kind](spec, session_factory)
+                entry.update(measured[key])
             except Exception as exc:  # a probe must never cost the user their trace
                 entry["skipped"] = f"{type(exc).__name__}: {exc}"[:200]
         out.setdefault(kind, []).append(entry)

@@ -76,3 +76,25 @@ def test_linear_probe_matches_the_same_layer_run_in_bf16():
     assert int(raw["size_bytes"].sum()) == second["bfloat16"]["forward"][0]
     # the first layer's input needs no gradient: no input-gradient matmul
     assert entries["0"]["bfloat16"]["input_gradient"] == [0, 0]
+
+
+def test_alike_modules_are_probed_once_and_the_budget_holds(monkeypatch):
+    probed = []
+    real = probes._PROBES["linear"]
+
+    def counting(spec, session_factory):
+        probed.append(spec["input_requires_grad"])
+        return real(spec, session_factory)
+
+    monkeypatch.setitem(probes._PROBES, "linear", counting)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    session = _profile(model, torch.randn(2, 3, 8))
+    entries = session.build()[1].probes["linear"]
+    assert len(entries) == 4 and all("bfloat16" in e for e in entries)
+    # two distinct calls: the first layer reads data (no input gradient), the rest alike
+    assert sorted(probed) == [False, True]
+    assert entries[1]["bfloat16"] == entries[3]["bfloat16"]
+    out = probes.probe_modules(dict(session.modules.probe_specs), lambda: ProfileSession(),
+                               budget_s=0.0)
+    assert len(probed) == 2  # nothing probed once the budget is spent
+    assert all("budget" in e["skipped"] for e in out["linear"])
