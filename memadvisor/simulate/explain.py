@@ -16,7 +16,7 @@ LABELS = {
 MODEL_STATES = (schema.PARAMETER, schema.GRADIENT, schema.OPTIMIZER_STATE)
 
 
-def _why(plan: Plan, category: str, micro: int, batch: int) -> str:
+def _why(plan: Plan, category: str, micro: int, batch: int, after: int = 1) -> str:
     reasons = []
     if plan.shard in ("zero1", "zero2", "zero3") and category in MODEL_STATES:
         level = {"zero1": (schema.OPTIMIZER_STATE,),
@@ -45,7 +45,11 @@ def _why(plan: Plan, category: str, micro: int, batch: int) -> str:
     if plan.offload and category in (schema.OPTIMIZER_STATE, schema.PARAMETER,
                                      schema.GRADIENT, schema.ACTIVATION):
         reasons.append("offload " + "+".join(sorted(plan.offload)))
-    return "; ".join(reasons) or "unchanged by the plan (the peak moved)"
+    if reasons:
+        return "; ".join(reasons)
+    # the plan did not touch this category: its peak is at another moment of the step
+    return ("none alive at the plan's peak, which falls at another moment of the step"
+            if not after else "the plan's peak falls at another moment of the step")
 
 
 def category_terms(baseline: dict[str, int], predicted: dict[str, int], plan: Plan,
@@ -61,7 +65,7 @@ def category_terms(baseline: dict[str, int], predicted: dict[str, int], plan: Pl
             lines.append(f"{label} {format_bytes(after)}")
         else:
             lines.append(f"{label} {format_bytes(before)} -> {format_bytes(after)}: "
-                         f"{_why(plan, category, micro, batch)}")
+                         f"{_why(plan, category, micro, batch, after)}")
     return lines
 
 
