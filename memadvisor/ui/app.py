@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import Input, Output, State, dash_table, dcc, html
+import dash_ag_grid as dag
+from dash import Input, Output, State, dcc, html
 
 from ..units import format_bytes
 from . import data as ui_data
@@ -20,28 +21,57 @@ PAGE_STYLE = {"fontFamily": figures.FONT_FAMILY, "maxWidth": "1400px", "margin":
               "padding": "12px 20px", "color": "#222"}
 SECTION_STYLE = {"borderTop": "1px solid #ddd", "paddingTop": "8px", "marginTop": "16px"}
 META_STYLE = {"color": "#555", "fontSize": "13px"}
-TABLE_STYLE = dict(
-    style_table={"overflowX": "auto", "maxHeight": "420px", "overflowY": "auto"},
-    style_cell={"fontFamily": figures.FONT_FAMILY, "fontSize": "13px", "textAlign": "left",
-                "padding": "3px 8px", "whiteSpace": "normal", "height": "auto",
-                "maxWidth": "420px"},
-    style_header={"fontWeight": "600", "backgroundColor": "#f4f4f4"},
-    style_cell_conditional=[{"if": {"column_id": c}, "textAlign": "right"}
-                            for c in ("size", "peak", "reserved", "step_time", "count")],
-)
+#: byte counts stay numbers in the grid (so they sort as numbers) and are shown in KiB/MiB
+BYTES_FORMAT = {"function": (
+    "params.value == null ? '' : Math.abs(params.value) >= 1073741824 ? "
+    "(params.value / 1073741824).toFixed(2) + ' GiB' : Math.abs(params.value) >= 1048576 ? "
+    "(params.value / 1048576).toFixed(2) + ' MiB' : Math.abs(params.value) >= 1024 ? "
+    "(params.value / 1024).toFixed(1) + ' KiB' : params.value + ' B'")}
+BYTE_FIELDS = frozenset({"bytes", "peak_bytes", "reserved_bytes"})
+CHANGE_FIELDS = ("a_peak", "b_peak", "peak_change", "a_allocated", "b_allocated",
+                 "allocated_change")
+BYTE_FIELDS = BYTE_FIELDS | set(CHANGE_FIELDS)
+RIGHT = BYTE_FIELDS | {"count", "step_time_factor"}
+WIDE = frozenset({"plan", "changes", "code", "source", "module", "function", "name"})
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 
-MOMENT_COLUMNS = [("size", "bytes"), ("category", "category"), ("op", "op"),
+MOMENT_COLUMNS = [("bytes", "bytes"), ("category", "category"), ("op", "op"),
                   ("module", "module"), ("dtype", "dtype"), ("shape", "shape"),
                   ("source", "source file:line"), ("function", "function")]
-PLAN_COLUMNS = [("plan", "plan"), ("peak", "predicted peak"), ("reserved", "reserved"),
-                ("step_time", "step time"), ("fits", "fits?"), ("changes", "what changes")]
-SITE_COLUMNS = [("size", "bytes"), ("count", "count"), ("category", "category"), ("op", "op"),
+PLAN_COLUMNS = [("plan", "plan"), ("peak_bytes", "predicted peak"),
+                ("reserved_bytes", "reserved"), ("step_time_factor", "step time (x baseline)"), ("fits", "fits?"), ("changes", "what changes")]
+SITE_COLUMNS = [("bytes", "bytes"), ("count", "count"), ("category", "category"), ("op", "op"),
                 ("module", "module"), ("source", "source file:line"), ("code", "code")]
 
 
-def _columns(pairs) -> list[dict[str, str]]:
-    return [{"id": key, "name": name} for key, name in pairs]
+def _grid(grid_id: str, pairs, rows=None, *, page_size: int | None = None,
+          select_by: str | None = None, height: str = "auto") -> dag.AgGrid:
+    """A sortable grid (dash-ag-grid: Dash's own DataTable is deprecated).  ``select_by``:
+    single-row selection by clicking, rows identified by that field."""
+    columns = []
+    for field, name in pairs:
+        column: dict[str, Any] = {"field": field, "headerName": name}
+        if field in WIDE:  # long text wraps in a wider column; the rest stay one line
+            column.update(flex=3, wrapText=True, autoHeight=True, minWidth=180)
+        if field in BYTE_FIELDS:
+            column["valueFormatter"] = BYTES_FORMAT
+        if field in RIGHT:
+            column["type"] = "rightAligned"
+        columns.append(column)
+    options: dict[str, Any] = {"domLayout": "autoHeight"} if height == "auto" else {}
+    if page_size:
+        options.update(pagination=True, paginationPageSize=page_size,
+                       paginationPageSizeSelector=False)
+    if select_by:
+        options["rowSelection"] = {"mode": "singleRow", "checkboxes": False,
+                                   "enableClickSelection": True}
+    return dag.AgGrid(
+        id=grid_id, columnDefs=columns, rowData=rows or [], dashGridOptions=options,
+        defaultColDef={"sortable": True, "resizable": True, "flex": 1, "minWidth": 80,
+                       "cellStyle": {"fontSize": "13px"}},
+        getRowId=f"params.data.{select_by}"
+        if select_by else None, selectedRows=[] if select_by else None,
+        style={"height": height} if height != "auto" else {"width": "100%"})
 
 
 def _section(title: str, *children, section_id: str) -> html.Section:
@@ -72,8 +102,7 @@ def _sites_section(board: Dashboard) -> html.Section:
     return _section(
         "Largest allocation sites alive at the peak",
         html.P(caption, id="sites-caption", style=META_STYLE),
-        dash_table.DataTable(id="sites-table", columns=_columns(SITE_COLUMNS), data=rows,
-                             **TABLE_STYLE),
+        _grid("sites-table", SITE_COLUMNS, rows),
         html.H3("Activations per module", style={"fontSize": "16px"}),
         dcc.Graph(id="modules", figure=modules, config=GRAPH_CONFIG),
         section_id="sites")
@@ -95,12 +124,7 @@ def _comparison_section(board: Dashboard) -> html.Section | None:
                ("b_allocated", "now allocated"), ("allocated_change", "change")]
 
     def rows_of(rows):
-        return [{"name": r["name"], "a_peak": format_bytes(r["a_peak_bytes"]),
-                 "b_peak": format_bytes(r["b_peak_bytes"]),
-                 "peak_change": format_bytes(r["peak_change_bytes"]),
-                 "a_allocated": format_bytes(r["a_allocated_bytes"]),
-                 "b_allocated": format_bytes(r["b_allocated_bytes"]),
-                 "allocated_change": format_bytes(r["allocated_change_bytes"])}
+        return [{"name": r["name"], **{f: int(r[f + "_bytes"]) for f in CHANGE_FIELDS}}
                 for r in rows]
 
     return _section(
@@ -108,11 +132,9 @@ def _comparison_section(board: Dashboard) -> html.Section | None:
         dcc.Graph(id="comparison", config=GRAPH_CONFIG,
                   figure=figures.comparison_figure(c, a_name="baseline",
                                                    b_name="this trace")),
-        dash_table.DataTable(id="compare-categories", columns=_columns(columns),
-                             data=rows_of(c["by_category"]), **TABLE_STYLE),
+        _grid("compare-categories", columns, rows_of(c["by_category"])),
         html.H3("Modules that changed most", style={"fontSize": "16px"}),
-        dash_table.DataTable(id="compare-modules", columns=_columns(columns),
-                             data=rows_of(c["by_module"]), **TABLE_STYLE),
+        _grid("compare-modules", columns, rows_of(c["by_module"])),
         section_id="comparison-section")
 
 
@@ -136,18 +158,15 @@ def layout(board: Dashboard, budget_text: str = "") -> html.Div:
                  html.Div([
                      html.Div(dcc.Graph(id="moment-breakdown", config=GRAPH_CONFIG),
                               style={"flex": "1 1 380px", "minWidth": "320px"}),
-                     html.Div(dash_table.DataTable(
-                         id="moment-table", columns=_columns(MOMENT_COLUMNS),
-                         page_size=25, sort_action="native", **TABLE_STYLE),
+                     html.Div(_grid("moment-table", MOMENT_COLUMNS, page_size=25,
+                                    height="560px"),
                          style={"flex": "2 1 640px", "minWidth": "480px"}),
                  ], style={"display": "flex", "flexWrap": "wrap", "gap": "12px"}),
                  section_id="moment-section"),
         _sites_section(board),
         _section("Plans",
                  html.P(id="plan-message", style=META_STYLE),
-                 dcc.Loading(dash_table.DataTable(
-                     id="plan-table", columns=_columns(PLAN_COLUMNS), data=[],
-                     row_selectable="single", selected_rows=[], **TABLE_STYLE)),
+                 dcc.Loading(_grid("plan-table", PLAN_COLUMNS, select_by="plan")),
                  dcc.Loading(html.Div(id="plan-detail")),
                  section_id="plans"),
     ]
@@ -177,7 +196,7 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
         return board.timeline_view(step, budget, click_data)
 
     @app.callback(Output("moment-caption", "children"), Output("moment-breakdown", "figure"),
-                  Output("moment-table", "data"),
+                  Output("moment-table", "rowData"),
                   Input("step", "value"), Input("timeline", "clickData"))
     def _moment(step, click_data):
         # a new step starts at its peak: the last click belonged to the old figure
@@ -185,7 +204,7 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
             click_data = None
         return board.moment_view(step, click_data)
 
-    @app.callback(Output("sites-caption", "children"), Output("sites-table", "data"),
+    @app.callback(Output("sites-caption", "children"), Output("sites-table", "rowData"),
                   Output("modules", "figure"), Input("step", "value"),
                   prevent_initial_call=True)
     def _sites(step):
@@ -196,16 +215,20 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
     def _headline(budget, gpus):
         return board.headline_text(budget, gpus)
 
-    @app.callback(Output("plan-table", "data"), Output("plan-message", "children"),
-                  Output("plan-table", "selected_rows"),
+    @app.callback(Output("plan-table", "rowData"), Output("plan-message", "children"),
+                  Output("plan-table", "selectedRows"),
                   Input("budget", "value"), Input("gpus", "value"))
     def _plans(budget, gpus):
-        return board.plans_view(budget, gpus)
+        rows, message, selected = board.plans_view(budget, gpus)
+        return rows, message, [rows[i] for i in selected]
 
-    @app.callback(Output("plan-detail", "children"), Input("plan-table", "selected_rows"),
-                  Input("plan-table", "data"), State("budget", "value"))
-    def _plan_detail(selected_rows, rows, budget):
-        return plan_detail_children(*board.plan_view(selected_rows, rows, budget))
+    @app.callback(Output("plan-detail", "children"), Input("plan-table", "selectedRows"),
+                  State("plan-table", "rowData"), State("budget", "value"))
+    def _plan_detail(selected, rows, budget):
+        # the grid hands back the selected row itself: its position in the ranking
+        plans = [r.get("plan") for r in rows or []]
+        index = [plans.index(r["plan"]) for r in selected or [] if r.get("plan") in plans]
+        return plan_detail_children(*board.plan_view(index, rows, budget))
 
 
 def plan_detail_children(fig: Any, lines: list[str]) -> list:

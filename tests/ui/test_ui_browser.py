@@ -5,6 +5,7 @@ System Chromium driven by Playwright (recipe: /work/shared/recipes/browser-tests
 skipped where either is missing, deselected with ``-m "not browser"``."""
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -53,8 +54,9 @@ def test_dashboard_in_the_browser(ui_model_trace, synthetic_traces):
             drawn = page.evaluate(
                 "document.querySelector('#timeline .js-plotly-plot').data.map(t => t.name)")
             assert drawn == list(board.data.timeline(2).by_category)
-            page.wait_for_selector("#plan-table td[data-dash-column=plan]", timeout=15_000)
-            first_plan = page.locator("#plan-table td[data-dash-column=plan]").first
+            cell = "#plan-table .ag-center-cols-container .ag-cell[col-id=plan]"
+            page.wait_for_selector(cell, timeout=15_000)
+            first_plan = page.locator(cell).first
             expected = board.plans_view(budget, 4)[0][0]["plan"]
             assert first_plan.inner_text().strip() == expected
             page.wait_for_selector("#plan-timeline .main-svg", timeout=15_000)
@@ -67,7 +69,11 @@ def test_dashboard_in_the_browser(ui_model_trace, synthetic_traces):
             page.wait_for_function("() => document.querySelector('#moment-caption')"
                                    ".innerText.startsWith('At the selected moment')",
                                    timeout=10_000)
-            assert page.locator("#moment-table td[data-dash-column=size]").count() > 0
+            sizes = page.locator("#moment-table .ag-center-cols-container "
+                                 ".ag-cell[col-id=bytes]")
+            assert sizes.count() > 0
+            # byte counts stay numbers in the grid, shown in binary units
+            assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", sizes.first.inner_text().strip())
             SCREENSHOTS.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOTS / "dashboard.png"), full_page=True)
             browser.close()

@@ -90,7 +90,7 @@ def test_serves_the_page_and_prints_the_url(capsys, monkeypatch, synthetic_trace
     assert fetched[""][0] == 200 and "<title>memadvisor</title>" in fetched[""][1]
     assert '"timeline"' in fetched["_dash-layout"][1]
     assert "comparison-section" in fetched["_dash-layout"][1]
-    assert "plan-table.data" in fetched["_dash-dependencies"][1]
+    assert "plan-table.rowData" in fetched["_dash-dependencies"][1]
 
 
 @pytest.mark.parametrize("no_browser, tty, expected", [

@@ -190,7 +190,7 @@ def test_app_layout_holds_every_panel(board, synthetic_traces):
         assert f'"id": "{component}"' in text
     assert "comparison-section" not in text
     outputs = " ".join(app.callback_map)
-    for output in ("timeline.figure", "moment-table.data", "plan-table.data",
+    for output in ("timeline.figure", "moment-table.rowData", "plan-table.rowData",
                    "plan-detail.children", "headline.children"):
         assert output in outputs
 
