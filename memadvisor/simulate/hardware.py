@@ -132,7 +132,7 @@ DEVICE_RULES = {
         "collective_copies": {"all_gather": 1, "reduce_scatter": 1, "held_until_next": True},
         #: oneDNN's bf16 matmul allocates a scratch block per call (fp32 gemm: none);
         #: sized by the trace's probes (meta.probes['linear']), else by this formula
-        #: fitted to torch 2.13's CPU traces (precision.matmul_scratch_bytes)
+        #: fitted to torch 2.13's CPU traces (kernel_blocks.matmul_scratch_bytes)
         "matmul_scratch": {
             "ops": frozenset({"aten::mm", "aten::addmm"}), "dtypes": ("bfloat16",),
             "accumulator_blocks": (128, 64), "packed_bytes_per_inner": 256,
@@ -141,7 +141,7 @@ DEVICE_RULES = {
         #: attention's math path (dropout on CPU) computes 16-bit inputs in fp32
         "sdpa_math_upcast": True,
         #: oneDNN's 16-bit convolution blocks as the profiler measured them on this CPU
-        #: (meta.probes; precision._probed_conv_blocks)
+        #: (meta.probes; kernel_blocks.probed_conv_blocks)
         "conv_probes": True,
     },
     "cuda": {

@@ -64,7 +64,7 @@ def test_16bit_convolutions_predicted_within_1_percent(baseline, precision):
 
 
 def test_probed_matmul_parts_split_fixed_and_batch_sized_bytes():
-    from memadvisor.simulate.precision import probed_matmul_parts
+    from memadvisor.simulate.kernel_blocks import probed_matmul_parts
 
     entry = {"rows": [256, 128], "float32_blocks": 0,
              "bfloat16": {"forward": [149120, 83584], "weight_gradient": [91904, 91904]}}

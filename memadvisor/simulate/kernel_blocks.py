@@ -1,0 +1,242 @@
+"""Untyped blocks 16-bit kernels allocate for themselves (oneDNN's scratch and reorders on a
+CPU target): what an fp32 trace cannot show of a bf16 plan besides its tensors.
+
+* ``matmul_scratch``: one block per bf16 ``mm``/``addmm``, sized by the profiler's probe of
+  the Linear (``meta.probes['linear']``) or, for traces without probes, by a formula fitted
+  to one CPU's oneDNN blocking (``matmul_scratch_bytes``);
+* ``probed_conv_blocks``: a convolution's blocks mapped onto its probe
+  (``meta.probes['convolution']``);
+* ``data_sized_kernel_blocks``: a backward block the size of a tensor that became 16-bit
+  (batch norm's workspace) is 16-bit data too.
+
+Device rules (``hardware.DEVICE_RULES``) say where each applies; the CUDA target has none.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..trace import schema
+from .hardware import device_rules
+from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
+
+_FORWARD = PHASE_CODE[schema.FORWARD]
+_BACKWARD = PHASE_CODE[schema.BACKWARD]
+
+
+def _dims(shape) -> list[int]:
+    try:
+        return [int(d) for d in str(shape).split(",")] if shape else []
+    except ValueError:
+        return []
+
+
+def matmul_scratch_bytes(rule: dict, rows: int, cols: int, inner: int,
+                         weight_gradient: bool) -> tuple[float, float]:
+    """(batch-independent, batch-proportional) bytes of the scratch block a 16-bit matmul
+    making a ``rows x cols`` output over ``inner`` allocates (``rule``: the target's
+    ``matmul_scratch`` device rule).  Forward and input-gradient matmuls: an fp32
+    accumulator of ``rows`` x a column block, the packed right operand (``inner`` x a fixed
+    width, 16-bit) and a constant; a weight gradient (left operand a transposed view):
+    also a 16-bit copy of that operand, over at least ``min_inner`` rows."""
+    if weight_gradient:
+        block = min(cols, rule["weight_gradient_block"])
+        padded = max(inner, rule["min_inner"])
+        fixed = rows * block * 4 + rule["weight_gradient_overhead"]
+        per_inner = (rows * 2 + rule["packed_bytes_per_inner"]) * padded
+        # the inner dimension is the batch rows: it scales unless padded up
+        return (fixed, per_inner) if inner > rule["min_inner"] else (fixed + per_inner, 0.0)
+    block = next((b for b in rule["accumulator_blocks"] if cols % b == 0), cols)
+    return (inner * rule["packed_bytes_per_inner"] + rule["overhead"], rows * block * 4.0)
+
+
+def probed_matmul_parts(entry: dict, kind: str, low: str) -> tuple[float, float] | None:
+    """(batch-independent, batch-proportional) bytes of a Linear's ``kind`` matmul
+    ('forward', 'input_gradient', 'weight_gradient') from the profiler's probe at the
+    recorded rows and at half of them (``meta.probes['linear']``); None where the probe
+    does not say (no ``low`` run, or fp32 made blocks of its own the trace already holds)."""
+    sizes, rows = entry.get(low, {}).get(kind), entry.get("rows") or []
+    if not sizes or entry.get("float32_blocks", 1) != 0:
+        return None
+    if len(sizes) < 2 or len(rows) < 2 or rows[0] == rows[1]:
+        return float(sizes[0]), 0.0
+    proportional = max(0.0, (sizes[0] - sizes[1]) / (rows[0] - rows[1]) * rows[0])
+    proportional = min(proportional, float(sizes[0]))
+    return float(sizes[0]) - proportional, proportional
+
+
+def matmul_scratch(out: Timeline, original_rows: int, low: str,
+                    device_type: str, probes: dict) -> Timeline:
+    """The scratch blocks 16-bit matmuls allocate on targets with a ``matmul_scratch``
+    rule (oneDNN's bf16 matmul on CPU: none in an fp32 trace, MKL's fp32 gemm allocates
+    none).  Each is a raw block made right after the matmul's output and freed at once.
+    Its size is the profiler's probe of that Linear (``meta.probes['linear']``) where the
+    trace has one, else the rule's formula (fitted to one CPU's oneDNN blocking): the
+    inner dimension from the module's 2-D parameters (a Linear's weight), the rows of a
+    weight gradient's inner dimension from the module's forward matmul."""
+    rule = device_rules(device_type).get("matmul_scratch")
+    if not rule or low not in rule["dtypes"]:
+        return out
+    probed = {e["module"]: e for e in probes.get("linear", ()) if "skipped" not in e}
+    rows = np.arange(original_rows)
+    candidate = (out.op_in(rule["ops"])[rows] & (out.alloc_key[rows] >= 0)
+                 & (out.size[rows] > 0) & np.isin(out.phase[rows], (_FORWARD, _BACKWARD)))
+    is_low = out.dtype_in((low,))[rows]
+    # under autocast a weight gradient is computed by a 16-bit matmul and only then cast
+    # into the fp32 .grad: its row stays fp32, its matmul is a 16-bit one all the same
+    low_modules = np.unique(out.module[rows[candidate & is_low
+                                            & (out.phase[rows] == _FORWARD)]])
+    fp32_gradient = (out.category_mask(schema.GRADIENT)[rows] & ~is_low
+                     & np.isin(out.module[rows], low_modules))
+    matmul = rows[candidate & (is_low | fp32_gradient)]
+    cast_later = np.zeros(len(out), bool)
+    cast_later[rows[candidate & fp32_gradient]] = True
+    if not len(matmul):
+        return out
+    weights: dict[int, list[tuple[int, int]]] = {}
+    for row in np.flatnonzero(out.category_mask(schema.PARAMETER)):
+        dims = _dims(out.shape[row])
+        if len(dims) == 2:
+            weights.setdefault(int(out.module[row]), []).append((dims[0], dims[1]))
+    forward_rows: dict[int, tuple[int, bool]] = {}  #: module -> (rows, scales with batch)
+    for row in matmul[out.phase[matmul] == _FORWARD]:
+        dims = _dims(out.shape[row])
+        if len(dims) == 2:
+            forward_rows.setdefault(int(out.module[row]),
+                                    (dims[0], bool(out.scales_with_batch[row])))
+    gradient = CATEGORY_CODE[schema.GRADIENT]
+    add: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
+                                             "phase", "scales_with_batch")}
+    for row in matmul:
+        dims = _dims(out.shape[row])
+        module = int(out.module[row])
+        if len(dims) != 2 or module not in weights:
+            continue
+        m, n = dims
+        own = weights[module]
+        if out.phase[row] == _BACKWARD and (out.category[row] == gradient or (
+                (m, n) in own and not out.scales_with_batch[row])):
+            if module not in forward_rows:
+                continue
+            inner, batch_rows = forward_rows[module]
+            parts = _parts(probed, out.modules[module], "weight_gradient", low) or \
+                matmul_scratch_bytes(rule, m, n, inner, True)
+            # from just before the gradient: with accumulation a later micro-step's weight
+            # gradient is a one-event instance added into .grad, the block meets it there.
+            # Under autocast the block belongs to the 16-bit gradient (made at -0.25) and
+            # is gone before that is cast into the fp32 .grad
+            start = float(out.alloc_key[row]) - (0.24 if cast_later[row] else 0.3)
+            end = float(out.alloc_key[row]) - 0.1 if cast_later[row] else None
+        else:
+            start = float(out.alloc_key[row]) + 0.3
+            end = None
+            batch_rows = bool(out.scales_with_batch[row])
+            if out.phase[row] == _FORWARD:
+                inner = next((k for o, k in own if o == n), None)
+            else:  # the input's gradient: over the weight's output features
+                inner = next((o for o, k in own if k == n), None)
+            if inner is None:
+                continue
+            kind = "forward" if out.phase[row] == _FORWARD else "input_gradient"
+            parts = _parts(probed, out.modules[module], kind, low) or \
+                matmul_scratch_bytes(rule, m, n, inner, False)
+        for nbytes, scaled in zip(parts, (False, True)):
+            if nbytes > 0:
+                add["size"].append(nbytes)
+                add["alloc_key"].append(start)
+                add["free_key"].append(float(out.alloc_key[row]) + 0.4 if end is None
+                                       else end)
+                add["module"].append(module)
+                add["phase"].append(out.phase[row])
+                add["scales_with_batch"].append(scaled and batch_rows)
+    if not add["size"]:
+        return out
+    if schema.RAW_BYTES_DTYPE not in out.dtypes:
+        out = out.with_dtype(np.zeros(0, int), schema.RAW_BYTES_DTYPE)
+    count = len(add["size"])
+    return out.appended({**{k: np.asarray(v) for k, v in add.items()},
+                         "dtype": np.full(count, out.dtypes.index(schema.RAW_BYTES_DTYPE),
+                                          np.int16),
+                         "phase": np.asarray(add["phase"], np.int8),
+                         "shape": np.array([str(int(x)) for x in add["size"]], dtype=object)})
+
+
+def _parts(probed: dict, path: str, kind: str, low: str) -> tuple[float, float] | None:
+    entry = probed.get(path)
+    return probed_matmul_parts(entry, kind, low) if entry else None
+
+
+def probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict) -> Timeline:
+    """A convolution's untyped kernel blocks (oneDNN's reorders and scratch on CPU) as the
+    profiler measured the same module in ``low`` (``meta.probes``, profile/probes.py).
+
+    The trace's blocks of each call are matched in order with the probe's fp32 blocks and
+    each is scaled by the probe's ``low`` / fp32 ratio: a data-sized reorder halves (and,
+    being batch-sized, still follows the micro-batch).  Blocks only the 16-bit kernel
+    makes (oneDNN's bf16 weight-gradient scratch, where fp32 needs none; it comes last)
+    are added after the call's last block, alive for a moment beside the blocks still
+    held, at their measured, batch-independent size.  A module without a probe keeps its
+    recorded blocks."""
+    if not device_rules(device_type).get("conv_probes"):
+        return out
+    measured = {e["module"]: e["raw_bytes"] for e in probes.get("convolution", ())
+                if low in e.get("raw_bytes", {}) and "float32" in e.get("raw_bytes", {})}
+    if not measured:
+        return out
+    raw = out.dtype_in((schema.RAW_BYTES_DTYPE,))
+    conv = [i for i, name in enumerate(out.ops) if "convolution" in name]
+    by_direction = {"forward": [i for i in conv if "backward" not in out.ops[i]],
+                    "backward": [i for i in conv if "backward" in out.ops[i]]}
+    size = out.size.copy()
+    extra: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
+                                               "phase", "op")}
+    for path, blocks in measured.items():
+        if path not in out.modules:
+            continue
+        own = raw & (out.module == out.modules.index(path))
+        for direction, codes in by_direction.items():
+            recorded, target = blocks["float32"][direction], blocks[low][direction]
+            rows = np.flatnonzero(own & np.isin(out.op, codes))
+            count = len(recorded)
+            if not count or len(rows) % count:
+                continue
+            rows = rows[np.argsort(out.alloc_key[rows], kind="stable")]
+            matched = min(count, len(target))
+            ratio = np.array([t / r if r else 1.0 for t, r in zip(target, recorded)]
+                             + [0.0] * (count - matched))  # blocks bf16 does not make
+            size[rows] *= np.tile(ratio, len(rows) // count)
+            for call in rows.reshape(-1, count):
+                last = call[-1]
+                for k, nbytes in enumerate(target[matched:]):
+                    extra["size"].append(float(nbytes))
+                    extra["alloc_key"].append(out.alloc_key[last] + 0.1 * (k + 1))
+                    extra["free_key"].append(out.alloc_key[last] + 0.1 * (k + 1) + 0.05)
+                    extra["module"].append(out.module[last])
+                    extra["phase"].append(out.phase[last])
+                    extra["op"].append(out.op[last])
+    out = out.resized(size)
+    if not extra["size"]:
+        return out
+    count = len(extra["size"])
+    return out.appended({**{k: np.asarray(v) for k, v in extra.items()},
+                         "dtype": np.full(count, out.dtypes.index(schema.RAW_BYTES_DTYPE),
+                                          np.int16),
+                         "phase": np.asarray(extra["phase"], np.int8),
+                         "shape": np.array([str(int(x)) for x in extra["size"]],
+                                           dtype=object)})
+
+
+def data_sized_kernel_blocks(timeline: Timeline, low_now: np.ndarray) -> np.ndarray:
+    """A kernel's untyped backward block as large as one of its module's forward tensors
+    that became 16-bit (batch norm's backward workspace) is that tensor's data: 16-bit too.
+    Convolutions are left to the probes (``probed_conv_blocks``)."""
+    out = np.zeros(len(timeline), bool)
+    raw = np.flatnonzero(timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
+                         & (timeline.phase == _BACKWARD) & (timeline.size > 0))
+    if not len(raw) or not len(low_now):
+        return out
+    conv = np.array(["convolution" in op for op in timeline.ops] or [False])
+    raw = raw[~conv[timeline.op[raw]]]
+    low_keys = set(zip(timeline.module[low_now].tolist(), timeline.size[low_now].tolist()))
+    for row in raw:
+        out[row] = (int(timeline.module[row]), float(timeline.size[row])) in low_keys
+    return out
