@@ -12,7 +12,7 @@ import pytest
 from memadvisor.trace import analysis
 from memadvisor.trace.summary import summarize
 
-EXAMPLES = ("gpt_lm", "cnn_classifier", "mlp_regressor")
+EXAMPLES = ("gpt_lm", "cnn_classifier", "mlp_regressor", "vit_classifier")
 PEAK_TOLERANCE = 0.01  # the bar: the traced peak within 1% of torch.profiler's
 
 
