@@ -11,7 +11,7 @@ its class name so paths stay unique.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -89,6 +89,7 @@ class ModuleTracker:
         #: module path -> (kind, how to rebuild it at its last call) for each CPU
         #: convolution and Linear (probes.py)
         self.probe_specs: dict[str, tuple[str, dict]] = {}
+        self._probe_shapes: dict[str, Any] = {}
 
     # --- naming ------------------------------------------------------------------------
     def name_of(self, module: torch.nn.Module) -> str:
@@ -134,10 +135,14 @@ class ModuleTracker:
             self._on_root_forward(module, args)
         name = self.name_of(module)
         self._forward_stack.append(name)
-        if isinstance(module, _PROBED):
-            spec = module_spec(module, args)
-            if spec is not None:
-                self.probe_specs[name] = spec
+        if isinstance(module, _PROBED) and args:
+            # once per module and input shape (the spec is the same step after step)
+            shape = getattr(args[0], "shape", None)
+            if self._probe_shapes.get(name) != shape:
+                self._probe_shapes[name] = shape
+                spec = module_spec(module, args)
+                if spec is not None:
+                    self.probe_specs[name] = spec
         self._on_change(name)
         if self.backward_hooks and torch._C._current_graph_task_id() == -1:
             inputs = _grad_tensors(args)

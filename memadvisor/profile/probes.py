@@ -89,10 +89,9 @@ def _run(spec: dict, dtype: torch.dtype) -> None:
         y.backward(torch.zeros_like(y))
 
 
-def _raw_blocks(table, op_filter: str | None) -> dict[str, list[int]]:
+def _raw_blocks(frame, op_filter: str | None) -> dict[str, list[int]]:
     """Allocation sizes of untyped blocks made in forward and in backward, in order (only
     inside ops whose name contains ``op_filter``, when given)."""
-    frame = table.to_pandas()
     raw = frame[(frame["action"] == schema.ALLOC) & (frame["dtype"] == schema.RAW_BYTES_DTYPE)]
     if op_filter:
         raw = raw[raw["op"].astype(str).str.contains(op_filter)]
@@ -102,51 +101,50 @@ def _raw_blocks(table, op_filter: str | None) -> dict[str, list[int]]:
             "backward": [int(b) for b in raw.loc[backward, "size_bytes"]]}
 
 
-def _measure(spec: dict, dtype_name: str, session_factory: Callable,
-             op_filter: str | None = None) -> dict[str, list[int]]:
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        with session_factory() as session:
-            _run(spec, getattr(torch, dtype_name))
-        table, _ = session.build(probe=False)
-    return _raw_blocks(table, op_filter)
+def _half(spec: dict) -> dict | None:
+    shape = spec["input_shape"]
+    if len(shape) < 2 or int(shape[0]) < 2:
+        return None
+    return dict(spec, input_shape=[int(shape[0]) // 2, *shape[1:]])
 
 
-def _probe_convolution(spec: dict, session_factory: Callable) -> dict:
-    return {"raw_bytes": {name: _measure(spec, name, session_factory, "convolution")
-                          for name in PROBE_DTYPES}}
+def _runs(kind: str, spec: dict) -> dict[str, tuple[dict, str]]:
+    """The runs a module's probe needs: tag -> (spec, dtype)."""
+    if kind == "convolution":
+        return {name: (spec, name) for name in PROBE_DTYPES}
+    runs = {"float32": (spec, "float32")}
+    for size, case in (("full", spec), ("half", _half(spec))):
+        if case is None:
+            continue
+        runs[size] = (case, "bfloat16")
+        if case["input_requires_grad"]:  # the weight gradient's matmul alone
+            runs[size + "-weight"] = (dict(case, input_requires_grad=False), "bfloat16")
+    return runs
 
 
-def _probe_linear(spec: dict, session_factory: Callable) -> dict:
-    """The bf16 matmuls' block bytes at the recorded rows and at half of them: the forward
-    ``addmm``, then in backward the input gradient's ``mm`` (when the input needs one)
-    before the weight gradient's (measured alone with the input not needing a gradient)."""
+def _entry(kind: str, spec: dict, blocks: dict[str, dict[str, list[int]]]) -> dict:
+    """A probe entry from its runs' blocks (see the module doc)."""
+    if kind == "convolution":
+        return {"raw_bytes": {name: blocks[name] for name in PROBE_DTYPES}}
     shape = spec["input_shape"]
     rows = 1
     for d in shape[:-1]:
         rows *= int(d)
-    half = dict(spec, input_shape=[max(1, int(shape[0]) // 2), *shape[1:]]) \
-        if len(shape) > 1 and int(shape[0]) > 1 else None
     out: dict[str, Any] = {"rows": [rows], "float32_blocks": sum(
-        len(v) for v in _measure(spec, "float32", session_factory).values())}
+        len(v) for v in blocks["float32"].values())}
     sizes: dict[str, list[int]] = {"forward": [], "input_gradient": [], "weight_gradient": []}
-    for case in (spec, half):
-        if case is None:
+    for size in ("full", "half"):
+        if size not in blocks:
             continue
-        full = _measure(case, "bfloat16", session_factory)
-        weight_only = (_measure(dict(case, input_requires_grad=False), "bfloat16",
-                                session_factory)["backward"]
-                       if case["input_requires_grad"] else full["backward"])
-        weight = sum(weight_only)
-        sizes["forward"].append(sum(full["forward"]))
+        run = blocks[size]
+        weight = sum(blocks.get(size + "-weight", run)["backward"])
+        sizes["forward"].append(sum(run["forward"]))
         sizes["weight_gradient"].append(weight)
-        sizes["input_gradient"].append(sum(full["backward"]) - weight)
-        if case is half:
-            out["rows"].append(rows * (int(half["input_shape"][0])) // int(shape[0]))
+        sizes["input_gradient"].append(sum(run["backward"]) - weight)
+        if size == "half":
+            out["rows"].append(rows * (int(shape[0]) // 2) // int(shape[0]))
     out["bfloat16"] = sizes
     return out
-
-
-_PROBES = {"convolution": _probe_convolution, "linear": _probe_linear}
 
 
 def _signature(kind: str, spec: dict) -> tuple:
@@ -162,28 +160,52 @@ def probe_modules(specs: dict[str, tuple[str, dict]], session_factory: Callable,
                   budget_s: float = PROBE_BUDGET_S) -> dict[str, list[dict]]:
     """``{kind: [entry, ...]}``, one entry per module: {'module', 'input_shape', 'threads',
     ...the kind's measurements}, or 'skipped' (why) where the probe failed, the input was
-    too large, or the probes had used ``budget_s`` seconds already."""
-    out: dict[str, list[dict]] = {}
-    measured: dict[tuple, dict] = {}
-    started = time.monotonic()
-    for path, (kind, spec) in specs.items():
-        entry = {"module": path, "input_shape": spec["input_shape"],
-                 "threads": torch.get_num_threads()}
+    too large, or the probes had used ``budget_s`` seconds already.
+
+    Every run of every distinct module goes through one recording session (sessions cost
+    more than small runs); each run's blocks are its events between two sequence numbers."""
+    unique: dict[tuple, tuple[str, dict]] = {}
+    skipped: dict[tuple, str] = {}
+    for kind, spec in specs.values():
         elements = 1
         for d in spec["input_shape"]:
             elements *= int(d)
         key = _signature(kind, spec)
-        if key in measured:
-            entry.update(measured[key])
-        elif elements > MAX_PROBE_ELEMENTS:
-            entry["skipped"] = "input too large to probe"
-        elif time.monotonic() - started > budget_s:
-            entry["skipped"] = f"probes past their {budget_s:g} s budget"
+        if elements > MAX_PROBE_ELEMENTS:
+            skipped[key] = "input too large to probe"
         else:
-            try:
-                measured[key] = _PROBES[kind](spec, session_factory)
-                entry.update(measured[key])
-            except Exception as exc:  # a probe must never cost the user their trace
-                entry["skipped"] = f"{type(exc).__name__}: {exc}"[:200]
+            unique.setdefault(key, (kind, spec))
+    ranges: dict[tuple, dict[str, tuple[int, int, str | None]]] = {}
+    started = time.monotonic()
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        session = session_factory()
+        with session:
+            for key, (kind, spec) in unique.items():
+                if time.monotonic() - started > budget_s:
+                    skipped[key] = f"probes past their {budget_s:g} s budget"
+                    continue
+                mine = {}
+                try:
+                    for tag, (case, dtype_name) in _runs(kind, spec).items():
+                        first = session.recorder.now_seq()
+                        _run(case, getattr(torch, dtype_name))
+                        mine[tag] = (first, session.recorder.now_seq(),
+                                     "convolution" if kind == "convolution" else None)
+                except Exception as exc:  # a probe must never cost the user their trace
+                    skipped[key] = f"{type(exc).__name__}: {exc}"[:200]
+                    continue
+                ranges[key] = mine
+        table, _ = session.build(probe=False)
+    frame = table.to_pandas()
+    seq = frame["seq"].to_numpy()
+    measured = {key: _entry(unique[key][0], unique[key][1], {
+        tag: _raw_blocks(frame[(seq >= first) & (seq < last)], op_filter)
+        for tag, (first, last, op_filter) in mine.items()}) for key, mine in ranges.items()}
+    out: dict[str, list[dict]] = {}
+    for path, (kind, spec) in specs.items():
+        entry = {"module": path, "input_shape": spec["input_shape"],
+                 "threads": torch.get_num_threads()}
+        key = _signature(kind, spec)
+        entry.update(measured[key] if key in measured else {"skipped": skipped[key]})
         out.setdefault(kind, []).append(entry)
     return out

@@ -80,13 +80,13 @@ def test_linear_probe_matches_the_same_layer_run_in_bf16():
 
 def test_alike_modules_are_probed_once_and_the_budget_holds(monkeypatch):
     probed = []
-    real = probes._PROBES["linear"]
+    real = probes._runs
 
-    def counting(spec, session_factory):
+    def counting(kind, spec):
         probed.append(spec["input_requires_grad"])
-        return real(spec, session_factory)
+        return real(kind, spec)
 
-    monkeypatch.setitem(probes._PROBES, "linear", counting)
+    monkeypatch.setattr(probes, "_runs", counting)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
     session = _profile(model, torch.randn(2, 3, 8))
     entries = session.build()[1].probes["linear"]
