@@ -33,8 +33,13 @@ def _progress(info: dict) -> None:
               help="How ops are followed: 'native' (C++ hooks, CPU memory, least overhead), "
                    "'dispatch' (a Python dispatch mode: CPU and CUDA).  Default 'auto': "
                    "native without a GPU ($MEMADVISOR_ENGINE overrides).")
+@click.option("--no-probes", "no_probes", is_flag=True,
+              help="Skip measuring the script's convolutions and Linear layers in bf16 after "
+                   "the run (faster on large CPU models; bf16 plans then fall back to "
+                   "formulas for those kernels' scratch).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines.")
-def command(script, script_args, output, steps, timeout_s, step_boundary, engine, quiet):
+def command(script, script_args, output, steps, timeout_s, step_boundary, engine, no_probes,
+            quiet):
     """Run SCRIPT (as `python SCRIPT ARGS` would) for a few steps and record a memory trace.
 
     Put the script's own arguments after `--`:
@@ -53,7 +58,8 @@ def command(script, script_args, output, steps, timeout_s, step_boundary, engine
     output = output or f"{Path(script).stem}.trace"
     result = profile_script(script, list(script_args), output, steps=steps or None,
                             timeout_s=timeout_s, step_boundary=step_boundary,
-                            on_step=None if quiet else _progress, engine=engine)
+                            on_step=None if quiet else _progress, engine=engine,
+                            probes=not no_probes)
     sys.stdout.flush()
     where = f"{result.trace_path} ({result.events:,} events, {result.steps_completed} steps, " \
             f"peak {format_bytes(result.peak_bytes)})"

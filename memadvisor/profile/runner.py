@@ -134,7 +134,8 @@ def _warm_up_imports() -> None:
 def profile_script(script: str | os.PathLike, args: list[str] | None = None,
                    output: str | os.PathLike = "memadvisor.trace", *, steps: int | None = 3,
                    timeout_s: float | None = None, step_boundary: str = "auto",
-                   on_step=None, engine: str | None = None) -> ProfileResult:
+                   on_step=None, engine: str | None = None,
+                   probes: bool = True) -> ProfileResult:
     """Profile ``script`` for ``steps`` steps and write the trace (always)."""
     script = Path(script)
     args = list(args or [])
@@ -147,7 +148,8 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
         if not ok:
             raise UserError(f"the native engine cannot run here: {reason}")
     session = ProfileSession(steps=steps, step_boundary=step_boundary, timeout_s=timeout_s,
-                             script=str(script.resolve()), on_step=on_step, engine=engine)
+                             script=str(script.resolve()), on_step=on_step, engine=engine,
+                             probes=probes)
     status, exit_code, error, tb = "completed", 0, "", ""
     with _ScriptContext(script, args) as namespace:
         try:

@@ -51,7 +51,7 @@ class ProfileSession:
     def __init__(self, steps: int | None = None, *, step_boundary: str = "auto",
                  timeout_s: float | None = None, script: str | None = None,
                  on_step: Callable[[dict], None] | None = None, native_hook: bool = True,
-                 engine: str | None = None):
+                 engine: str | None = None, probes: bool = True):
         if step_boundary not in ("auto", "optimizer", "backward"):
             raise ValueError(f"step_boundary must be auto, optimizer or backward: {step_boundary}")
         engine = engine or os.environ.get("MEMADVISOR_ENGINE") or "auto"
@@ -60,6 +60,9 @@ class ProfileSession:
         #: 'native' (per-op work in C++, CPU) or 'dispatch' (a Python TorchDispatchMode);
         #: 'auto' picks native where it can run (see _choose_engine)
         self.engine_requested = engine
+        #: measure the script's convolutions and Linear layers in 16-bit after the run
+        #: (probes.py; ``memadvisor profile --no-probes`` turns it off)
+        self.probes = probes
         self.engine = "dispatch"
         self.engine_status = ""
         self.steps_requested = steps
@@ -558,10 +561,13 @@ class ProfileSession:
         detection, boundaries = self.boundaries()
         table = self.recorder.to_table([seq for seq, _ in boundaries])
         op_stats = self._op_stats()
-        probes = {}
-        if probe and self.modules.probe_specs:
-            probes = probe_modules(self.modules.probe_specs,
-                                   lambda: ProfileSession(engine=self.engine))
+        probes: dict = {}
+        if probe and self.probes and self.modules.probe_specs:
+            try:
+                probes = probe_modules(self.modules.probe_specs,
+                                       lambda: ProfileSession(engine=self.engine))
+            except (Exception, KeyboardInterrupt) as exc:  # the trace matters more
+                probes = {"skipped": f"{type(exc).__name__}: {exc}"[:200]}
         meta = schema.TraceMeta(
             script=os.path.abspath(script) if script else "",
             argv=metadata.argv_of(script, list(args or [])),

@@ -98,3 +98,21 @@ def test_alike_modules_are_probed_once_and_the_budget_holds(monkeypatch):
                                budget_s=0.0)
     assert len(probed) == 2  # nothing probed once the budget is spent
     assert all("budget" in e["skipped"] for e in out["linear"])
+
+
+def test_no_probes_and_a_probe_crash_keep_the_trace(monkeypatch):
+    with ProfileSession(probes=False) as session:
+        _net()(torch.randn(2, 3, 12, 12)).square().sum().backward()
+    assert session.build()[1].probes == {}
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    # even an interrupt during the probes leaves a complete trace, saying why there are none
+    monkeypatch.setattr(probes, "probe_modules", broken)
+    import memadvisor.profile.session as session_module
+    monkeypatch.setattr(session_module, "probe_modules", broken)
+    with ProfileSession() as session:
+        _net()(torch.randn(2, 3, 12, 12)).square().sum().backward()
+    table, meta = session.build()
+    assert table.num_rows > 0 and meta.probes == {"skipped": "KeyboardInterrupt: "}
