@@ -195,7 +195,7 @@ def probe_modules(specs: dict[str, tuple[str, dict]], session_factory: Callable,
                     skipped[key] = f"{type(exc).__name__}: {exc}"[:200]
                     continue
                 ranges[key] = mine
-        table, _ = session.build(probe=False)
+        table, _ = session.build()
     frame = table.to_pandas()
     seq = frame["seq"].to_numpy()
     measured = {key: _entry(unique[key][0], unique[key][1], {

@@ -396,17 +396,10 @@ class ProfileSession:
                 flat.append((tensor, category, owner))
             else:
                 flat.extend((inner, category, owner) for inner in _tensors(tensor, None))
-        if self.engine == "native":
-            for tensor, category, owner in self.recorder.mark_many(flat):
-                # not logged yet: register (external memory), then mark
-                storage = _storage(tensor)
-                if storage is not None:
-                    self._register_existing(tensor, storage)
-                    self.recorder.mark(storage, category)
-                    if owner is not None:
-                        self.recorder.set_owner(storage, owner)
-            return
-        for tensor, category, owner in flat:
+        # the native engine marks what it has logged in one call and hands back the rest
+        # (not logged yet: external memory, registered first)
+        rest = self.recorder.mark_many(flat) if self.engine == "native" else flat
+        for tensor, category, owner in rest:
             storage = _storage(tensor)
             if storage is not None:
                 self._register_existing(tensor, storage)
@@ -553,19 +546,19 @@ class ProfileSession:
         return "backward", self._backward_boundaries
 
     def build(self, *, script: str | None = None, args: list[str] | None = None,
-              status: str = "completed", error: str = "", probe: bool = True):
-        """The events table and metadata of what was recorded so far.  ``probe``: also
-        measure the script's convolutions and Linear layers in 16-bit (probes.py), after
-        the events are collected."""
+              status: str = "completed", error: str = ""):
+        """The events table and metadata of what was recorded so far; with ``probes`` on,
+        also the script's convolutions and Linear layers measured in 16-bit (probes.py),
+        after the events are collected."""
         self.close()
         detection, boundaries = self.boundaries()
         table = self.recorder.to_table([seq for seq, _ in boundaries])
         op_stats = self._op_stats()
         probes: dict = {}
-        if probe and self.probes and self.modules.probe_specs:
+        if self.probes and self.modules.probe_specs:
             try:
                 probes = probe_modules(self.modules.probe_specs,
-                                       lambda: ProfileSession(engine=self.engine))
+                                       lambda: ProfileSession(engine=self.engine, probes=False))
             except (Exception, KeyboardInterrupt) as exc:  # the trace matters more
                 probes = {"skipped": f"{type(exc).__name__}: {exc}"[:200]}
         meta = schema.TraceMeta(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime as _dt
+import functools
 import gzip
 import html
 import json
@@ -279,6 +280,7 @@ UNPACK_PLOTLY_JS = (  # no '<' in it: the figures' script is kept free of them
     ".text().then(function(js){(0,eval)(js);draw();});")
 
 
+@functools.lru_cache(maxsize=1)  # the same plotly.js every time: compress it once
 def pack_plotly_js(plotly_js: str) -> str:
     """plotly.js gzipped (fixed mtime: the same input packs to the same bytes) in base64."""
     return base64.b64encode(gzip.compress(plotly_js.encode("utf-8"), 9, mtime=0)).decode()

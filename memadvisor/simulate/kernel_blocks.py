@@ -23,7 +23,8 @@ _FORWARD = PHASE_CODE[schema.FORWARD]
 _BACKWARD = PHASE_CODE[schema.BACKWARD]
 
 
-def _dims(shape) -> list[int]:
+def dims_of(shape) -> list[int]:
+    """A shape string's dimensions ([] for a scalar or a string that is no shape)."""
     try:
         return [int(d) for d in str(shape).split(",")] if shape else []
     except ValueError:
@@ -94,12 +95,12 @@ def matmul_scratch(out: Timeline, original_rows: int, low: str,
         return out
     weights: dict[int, list[tuple[int, int]]] = {}
     for row in np.flatnonzero(out.category_mask(schema.PARAMETER)):
-        dims = _dims(out.shape[row])
+        dims = dims_of(out.shape[row])
         if len(dims) == 2:
             weights.setdefault(int(out.module[row]), []).append((dims[0], dims[1]))
     forward_rows: dict[int, tuple[int, bool]] = {}  #: module -> (rows, scales with batch)
     for row in matmul[out.phase[matmul] == _FORWARD]:
-        dims = _dims(out.shape[row])
+        dims = dims_of(out.shape[row])
         if len(dims) == 2:
             forward_rows.setdefault(int(out.module[row]),
                                     (dims[0], bool(out.scales_with_batch[row])))
@@ -107,7 +108,7 @@ def matmul_scratch(out: Timeline, original_rows: int, low: str,
     add: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
                                              "phase", "scales_with_batch")}
     for row in matmul:
-        dims = _dims(out.shape[row])
+        dims = dims_of(out.shape[row])
         module = int(out.module[row])
         if len(dims) != 2 or module not in weights:
             continue

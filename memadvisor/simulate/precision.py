@@ -31,7 +31,8 @@ import pandas as pd
 
 from ..trace import schema
 from .hardware import device_rules
-from .kernel_blocks import data_sized_kernel_blocks, matmul_scratch, probed_conv_blocks
+from .kernel_blocks import (data_sized_kernel_blocks, dims_of, matmul_scratch,
+                            probed_conv_blocks)
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, DTYPE_BYTES
 
 _FORWARD = PHASE_CODE[schema.FORWARD]
@@ -81,13 +82,6 @@ def apply_precision(timeline: Timeline, precision: str, device_type: str,
     out = matmul_scratch(out, len(timeline), low, device_type, probes or {})
     out = probed_conv_blocks(out, low, device_type, probes or {})
     return _fp32_outputs(out, len(timeline))
-
-
-def _dims(shape) -> list[int]:
-    try:
-        return [int(d) for d in str(shape).split(",")] if shape else []
-    except ValueError:
-        return []
 
 
 def _fp32_outputs(out: Timeline, original_rows: int) -> Timeline:
@@ -185,17 +179,24 @@ def _sdpa_math_rows(timeline: Timeline, device_type: str) -> np.ndarray:
                              & ~timeline.dtype_in((schema.RAW_BYTES_DTYPE,)))
     floating = timeline.dtype_in(("float32",))
     for module in np.unique(timeline.module[softmax]):
-        dims = _dims(timeline.shape[softmax[timeline.module[softmax] == module][0]])
+        dims = dims_of(timeline.shape[softmax[timeline.module[softmax] == module][0]])
         if len(dims) != 4:
             continue
         batch, heads = dims[0], dims[1]
         rows = np.flatnonzero((timeline.module == module) & floating
                               & np.isin(timeline.phase, (_FORWARD, _BACKWARD)))
         for row in rows:
-            shape = _dims(timeline.shape[row])
+            shape = dims_of(timeline.shape[row])
             out[row] = (len(shape) == 4 and shape[:2] == [batch, heads]) or (
                 len(shape) == 3 and shape[0] == batch * heads)
     return out
+
+
+def _first_owner(timeline: Timeline, module_parameter_bytes: dict[str, int]) -> int | None:
+    """The first module with parameters to run in forward: the one the script's data meets."""
+    forward = np.flatnonzero(timeline.event_phase == _FORWARD)
+    return next((int(m) for m in timeline.event_module[forward]
+                 if module_parameter_bytes.get(timeline.modules[int(m)], 0)), None)
 
 
 def _cast_inputs(out: Timeline, batch: dict, module_parameter_bytes: dict[str, int],
@@ -214,8 +215,7 @@ def _cast_inputs(out: Timeline, batch: dict, module_parameter_bytes: dict[str, i
     forward = np.flatnonzero(out.event_phase == _FORWARD)
     if not sizes or not len(forward):
         return out
-    owners = {i for i, name in enumerate(out.modules) if module_parameter_bytes.get(name, 0)}
-    first = next((int(m) for m in out.event_module[forward] if int(m) in owners), None)
+    first = _first_owner(out, module_parameter_bytes)
     if first is None:
         return out
     start = float(forward[0]) - 0.25
@@ -252,7 +252,6 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
               module_parameter_bytes: dict[str, int], regions=(),
               module_types: dict[str, str] | None = None) -> Timeline:
     module_types = module_types or {}
-    modules_list = timeline.modules
     rules = device_rules(device_type)
     lower_ops, fp32_ops = rules["autocast_lower"], rules["autocast_fp32"]
     forward = np.flatnonzero((timeline.phase == _FORWARD) & (timeline.alloc_key >= 0))
@@ -298,7 +297,7 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
             row_low = previous_low
         elif kind == 5:
             row_low = previous_low and not module_parameter_bytes.get(
-                modules_list[int(timeline.module[forward[i]])], 0)
+                timeline.modules[int(timeline.module[forward[i]])], 0)
         else:
             row_low = False  # keeps its recorded dtype
         low_rows.append(row_low)
@@ -334,8 +333,7 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     # dies with autocast's cache (the forward's end; a recompute's own end)
     forward_events = np.flatnonzero(timeline.event_phase == _FORWARD)
     forward_end = float(forward_events[-1]) + 0.5 if len(forward_events) else 0.0
-    first_owner = next((int(m) for m in timeline.event_module[forward_events]
-                        if module_parameter_bytes.get(str(modules[int(m)]), 0)), None)
+    first_owner = _first_owner(timeline, module_parameter_bytes)
     for code in sorted(ran_low):
         path = str(modules[code])
         owned = module_parameter_bytes.get(path, 0)

@@ -36,7 +36,6 @@ def summarize(trace: Trace, top: int = TOP_SITES, *, live=None, lives=None) -> d
     lives = analysis.lifetimes(events) if lives is None else lives
     at_peak = peak_sites(events, live, lives, step, top)
     position, peak_bytes = at_peak["position"], at_peak["peak_bytes"]
-    alive = analysis.alive_at(lives, position) if position >= 0 else lives.iloc[:0]
     durations = {s["index"]: s.get("duration_s") for s in meta.steps}
     steps = [{"index": s["index"], "peak_bytes": s["peak_bytes"],
               "duration_s": durations.get(s["index"])}
@@ -57,7 +56,7 @@ def summarize(trace: Trace, top: int = TOP_SITES, *, live=None, lives=None) -> d
             "phase": str(peak_row["phase"]), "module": str(peak_row["module"]),
             "op": str(peak_row["op"]),
         },
-        "by_category": analysis.by_category(alive),
+        "by_category": at_peak["by_category"],
         "steps": steps,
         "parameter_bytes": int(meta.parameter_bytes),
         "buffer_bytes": int(meta.buffer_bytes),
@@ -70,12 +69,13 @@ def summarize(trace: Trace, top: int = TOP_SITES, *, live=None, lives=None) -> d
 
 def peak_sites(events, live, lives, step: int | None, top: int = TOP_SITES) -> dict[str, Any]:
     """One step's peak (``step`` None: the whole run): its event position and bytes, the
-    largest allocation sites alive there, the modules holding the most activations when
+    bytes alive there per category, the largest allocation sites alive there, the modules holding the most activations when
     activations peak, and the step's gradient and optimizer-state bytes."""
     window = analysis.step_slice(events, step)
     position, peak_bytes = analysis.peak_in(live, window)
     alive = analysis.alive_at(lives, position) if position >= 0 else lives.iloc[:0]
     return {"position": position, "peak_bytes": peak_bytes,
+            "by_category": analysis.by_category(alive),
             "gradient_bytes": _most_alive(events, schema.GRADIENT, window),
             "optimizer_state_bytes": _alive_at_end(events, schema.OPTIMIZER_STATE, window),
             "top_sites": _top_sites(alive, top),

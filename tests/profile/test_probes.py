@@ -6,8 +6,8 @@ from memadvisor.profile import probes
 from memadvisor.profile.session import ProfileSession
 
 
-def _profile(model, x):
-    with ProfileSession() as session:
+def _profile(model, x, probes=True):
+    with ProfileSession(probes=probes) as session:
         # a real gradient (``sum`` alone would hand back an expanded, stride-0 one)
         model(x).square().sum().backward()
     return session
@@ -69,8 +69,9 @@ def test_linear_probe_matches_the_same_layer_run_in_bf16():
     assert second["rows"] == [24, 12] and second["input_shape"] == [4, 6, 32]
     assert set(second["bfloat16"]) == {"forward", "input_gradient", "weight_gradient"}
     # the script's own layer, run in bf16 and recorded: its forward matmul's blocks
-    bf16 = _profile(model.to(torch.bfloat16), torch.randn(4, 6, 16, dtype=torch.bfloat16))
-    events = bf16.build(probe=False)[0].to_pandas()
+    bf16 = _profile(model.to(torch.bfloat16), torch.randn(4, 6, 16, dtype=torch.bfloat16),
+                    probes=False)
+    events = bf16.build()[0].to_pandas()
     raw = events[(events["module"] == "2") & (events["action"] == "alloc")
                  & (events["dtype"] == "bytes") & (events["phase"] == "forward")]
     assert int(raw["size_bytes"].sum()) == second["bfloat16"]["forward"][0]
@@ -94,7 +95,8 @@ def test_alike_modules_are_probed_once_and_the_budget_holds(monkeypatch):
     # two distinct calls: the first layer reads data (no input gradient), the rest alike
     assert sorted(probed) == [False, True]
     assert entries[1]["bfloat16"] == entries[3]["bfloat16"]
-    out = probes.probe_modules(dict(session.modules.probe_specs), lambda: ProfileSession(),
+    out = probes.probe_modules(dict(session.modules.probe_specs),
+                               lambda: ProfileSession(probes=False),
                                budget_s=0.0)
     assert len(probed) == 2  # nothing probed once the budget is spent
     assert all("budget" in e["skipped"] for e in out["linear"])

@@ -62,21 +62,30 @@ def run(*, checkpointed=False, accum=1, optimizer="adamw", dtype=torch.float32,
     else:
         raise ValueError(optimizer)
     gen = torch.Generator().manual_seed(0)
+
+    def step():
+        tokens = torch.randint(VOCAB, (batch, SEQ + 1), generator=gen)
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        opt.zero_grad(set_to_none=True)
+        micro = batch // accum
+        for k in range(accum):
+            xs, ys = x[k * micro:(k + 1) * micro], y[k * micro:(k + 1) * micro]
+            # as ``apply`` does: floating outputs of a 16-bit model come back in fp32
+            logits = model(xs).float()
+            loss = F.cross_entropy(logits.view(-1, VOCAB), ys.reshape(-1))
+            (loss / accum).backward()
+        opt.step()
+
+    return profile_steps(step, steps)
+
+
+def profile_steps(step, steps: int) -> Trace:
+    """Run ``step()`` under a ProfileSession until it has recorded ``steps`` steps."""
     session = ProfileSession(steps=steps)
     try:
         with session:
             for _ in range(steps + 1):
-                tokens = torch.randint(VOCAB, (batch, SEQ + 1), generator=gen)
-                x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-                opt.zero_grad(set_to_none=True)
-                micro = batch // accum
-                for k in range(accum):
-                    xs, ys = x[k * micro:(k + 1) * micro], y[k * micro:(k + 1) * micro]
-                    # as ``apply`` does: floating outputs of a 16-bit model come back in fp32
-                    logits = model(xs).float()
-                    loss = F.cross_entropy(logits.view(-1, VOCAB), ys.reshape(-1))
-                    (loss / accum).backward()
-                opt.step()
+                step()
     except StopProfiling:
         pass
     table, meta = session.build()
@@ -93,23 +102,18 @@ def run_autocast(dtype=torch.bfloat16, steps=2) -> Trace:
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
-    session = ProfileSession(steps=steps)
-    try:
-        with session:
-            for _ in range(steps + 1):
-                tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen)
-                x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast("cpu", dtype=dtype):
-                    logits = model(x)
-                logits = logits.float()  # apply hands autocast's outputs back in fp32
-                loss = F.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1))
-                loss.backward()
-                opt.step()
-    except StopProfiling:
-        pass
-    table, meta = session.build()
-    return Trace(events=table.to_pandas(), meta=meta)
+
+    def step():
+        tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen)
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            logits = model(x)
+        logits = logits.float()  # apply hands autocast's outputs back in fp32
+        F.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1)).backward()
+        opt.step()
+
+    return profile_steps(step, steps)
 
 
 def run_with_apply_precision(model: nn.Module, make_batch, precision: str = "fp32",
@@ -125,15 +129,11 @@ def run_with_apply_precision(model: nn.Module, make_batch, precision: str = "fp3
     wrap_forward(model, plan, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
-    session = ProfileSession(steps=steps)
-    try:
-        with session:
-            for _ in range(steps + 1):
-                x, y = make_batch(gen)
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x).float(), y).backward()
-                opt.step()
-    except StopProfiling:
-        pass
-    table, meta = session.build()
-    return Trace(events=table.to_pandas(), meta=meta)
+
+    def step():
+        x, y = make_batch(gen)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+
+    return profile_steps(step, steps)
