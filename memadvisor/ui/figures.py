@@ -108,7 +108,11 @@ def timeline_figure(timeline: "StepTimeline", *, budget_bytes: int | None = None
                    gridcolor="#eee", zeroline=False),
         yaxis=dict(title=dict(text=f"live memory ({unit})"), gridcolor="#eee",
                    rangemode="tozero"),
-        hovermode="x unified", legend=dict(orientation="h", y=-0.2, traceorder="normal"),
+        # the x axis is time, so one slow op leaves a wide gap between events: with
+        # Plotly's default 20 px reach a hover (and so a click) inside such a gap finds
+        # nothing; an unlimited reach answers every point with the nearest event
+        hovermode="x unified", hoverdistance=-1,
+        legend=dict(orientation="h", y=-0.2, traceorder="normal"),
         height=460))
     return fig
 

@@ -83,6 +83,8 @@ def test_a_click_shows_the_storages_alive_at_that_event(board):
     assert len(dotted) == 1 and dotted[0].x0 == float(timeline.time_ms[index])
     plain, _ = board.timeline_view(step)
     assert not [s for s in plain.layout.shapes if s.line.dash == "dot"]
+    # a click between two events far apart in time still reaches the nearest one
+    assert plain.layout.hoverdistance == -1
 
 
 def test_selecting_a_step_changes_the_figure_and_the_moment(board):
