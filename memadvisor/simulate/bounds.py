@@ -31,14 +31,15 @@ from ..plan import FSDP_SHARDS, Plan
 from ..trace import schema
 from .accumulation import _masks, segment_keys
 from .offload import optimizer_step_temporaries, persistent_rows
+from .optimizer_swap import FOREACH_OP
 from .replay import CATEGORY_CODE, FREE_FIRST, Timeline
 from .sharding import shard_additions, zero1_share
 
 CHUNK = 128  #: events per chunk
 REFINE_BATCH = 4  #: chunks replayed together
-FIXED, OPTIMIZER_TEMP, STATE, PARAM_KEPT, PARAM_OTHER, GRAD_KEPT, GRAD_OTHER = range(7)
+FIXED, OPTIMIZER_TEMP, STATE, PARAM_KEPT, PARAM_OTHER, GRAD_KEPT, GRAD_OTHER, FOREACH = range(8)
 MODEL_STATE = (STATE, PARAM_KEPT, PARAM_OTHER, GRAD_KEPT, GRAD_OTHER)
-GROUPS = 14  #: category group x scales-with-batch
+GROUPS = 16  #: category group x scales-with-batch
 SHARD_KINDS = ("ddp", "zero2", "zero3")  #: zero1 adds what ddp adds
 
 
@@ -52,6 +53,7 @@ def row_groups(timeline: Timeline) -> np.ndarray:
     grad = category == CATEGORY_CODE[schema.GRADIENT]
     group[param & kept], group[param & ~kept] = PARAM_KEPT, PARAM_OTHER
     group[grad & kept], group[grad & ~kept] = GRAD_KEPT, GRAD_OTHER
+    group[timeline.op_in({FOREACH_OP})] = FOREACH
     return (group * 2 + timeline.scales_with_batch).astype(np.int8)
 
 
@@ -62,13 +64,13 @@ def group_rules(plan: Plan, batch_factor: float, share: float) -> list[tuple[flo
     for code in range(GROUPS):
         kind, scaled = divmod(code, 2)
         multiplier, ranks = (batch_factor if scaled else 1.0), 1
-        if kind in MODEL_STATE:
-            if plan.shard == "zero1" and kind == STATE:
+        if kind in MODEL_STATE or kind == FOREACH:
+            if plan.shard == "zero1" and kind in (STATE, FOREACH):
                 multiplier *= share
             elif plan.shard in FSDP_SHARDS:
                 ranks = plan.shard_group_size
         if "optimizer" in plan.offload:
-            if kind in (STATE, OPTIMIZER_TEMP):
+            if kind in (STATE, OPTIMIZER_TEMP, FOREACH):
                 multiplier = 0.0
             if "params" in plan.offload and kind in (PARAM_KEPT, GRAD_KEPT):
                 multiplier = 0.0

@@ -26,6 +26,9 @@ from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, DTYPE_BYTES
 _STATE = CATEGORY_CODE[schema.OPTIMIZER_STATE]
 _TEMPORARY = CATEGORY_CODE[schema.TEMPORARY]
 _OPTIMIZER = PHASE_CODE[schema.OPTIMIZER]
+#: the op name of the temporaries a foreach Adam step makes on a CUDA target
+#: (``simulator._device_optimizer_rules``; sharded with the state)
+FOREACH_OP = "aten::_foreach_sqrt"
 ADAM8BIT_MIN_ELEMENTS = 4096  #: bitsandbytes keeps 32-bit state for smaller tensors
 ADAM8BIT_BLOCK = 2048
 

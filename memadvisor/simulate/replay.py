@@ -106,6 +106,14 @@ class Timeline:
         out._order, out._parent = self._order, self._parent
         return out
 
+    def with_op(self, op_name: str) -> "Timeline":
+        """The same rows with ``op_name`` among the op names (for rows a technique adds)."""
+        if op_name in self.ops:
+            return self
+        out = replace(self, ops=list(self.ops) + [op_name])
+        out._order, out._parent = self._order, self._parent
+        return out
+
     def appended(self, rows: dict) -> "Timeline":
         """Add storages; ``rows`` maps field -> array (missing fields get neutral values)."""
         count = len(rows["size"])

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..plan import Plan
 from ..trace import schema
+from .optimizer_swap import FOREACH_OP
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
 _FORWARD = PHASE_CODE[schema.FORWARD]
@@ -134,15 +135,18 @@ def shard_sizes(timeline: Timeline, plan: Plan) -> tuple[np.ndarray, dict]:
     group = plan.shard_group_size
     param = timeline.category == _PARAM
     state = timeline.category == _STATE
+    # a foreach optimizer step's temporaries (one per parameter the rank steps)
+    foreach = timeline.op_in({FOREACH_OP})
     if plan.shard == "zero1":
         total = float(size[state].sum())
         share = zero1_share(timeline, group)
-        size[state] = size[state] * share
+        size[state | foreach] = size[state | foreach] * share
         notes["optimizer_share"] = share
         notes["optimizer_state_bytes"] = (total, total * share)
     else:
         grad = timeline.category == _GRAD
-        size[param | grad | state] = np.ceil(size[param | grad | state] / group)
+        sharded = param | grad | state | foreach
+        size[sharded] = np.ceil(size[sharded] / group)
     return size, notes
 
 

@@ -35,7 +35,7 @@ from .hardware import Hardware, device_rules, hardware
 from .bounds import LayoutBounds
 from .loop import hoisted_zero_grad, rewrites_loop
 from .offload import apply_offload, offload_activations
-from .optimizer_swap import apply_optimizer_swap
+from .optimizer_swap import FOREACH_OP, apply_optimizer_swap
 from .precision import apply_precision, scaler_bytes
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline, replay_events
 from .sharding import apply_sharding, fsdp_layout
@@ -277,27 +277,34 @@ def _add_persistent(timeline: Timeline, nbytes: int, category: str) -> Timeline:
 
 def _device_optimizer_rules(timeline: Timeline, base: Baseline, hw: Hardware,
                             plan: Plan) -> Timeline:
-    """A CUDA target runs Adam-style optimizers with ``foreach``: the step makes one
-    temporary per parameter at once (``_foreach_sqrt`` of the second moments) where the
-    recorded CPU step made them one at a time."""
+    """A CUDA target runs Adam with ``foreach``: ``_foreach_sqrt`` of the second moments
+    makes one temporary per parameter, all alive at once (a list of tensors, one
+    allocation each: the caching allocator packs them like any parameter-sized blocks),
+    where the recorded CPU step made them one at a time.  Only Adam kept as it is: the
+    swapped-in optimizers (bitsandbytes' 8-bit Adam, Adafactor, SGD) are modelled by their
+    own step (``optimizer_swap``).  Sharding divides the list with the state
+    (``sharding.shard_sizes``): each rank steps its own shard."""
     target, recorded = device_rules(hw.device_type), device_rules(base.device_type)
     if target["optimizer_foreach"] == recorded["optimizer_foreach"]:
         return timeline
-    if plan.optimizer in ("sgd", "sgd-momentum") or (plan.optimizer == "keep" and not any(
-            "adam" in str(o.get("class", "")).lower() for o in base.meta.optimizers)):
+    if plan.optimizer != "keep" or not any(
+            "adam" in str(o.get("class", "")).lower() for o in base.meta.optimizers):
         return timeline
     if not target["optimizer_foreach"] or "optimizer" in plan.offload:
         return timeline
     optimizer = PHASE_CODE[schema.OPTIMIZER]
     temps = (timeline.phase == optimizer) & timeline.category_mask(schema.TEMPORARY)
-    params = timeline.category_mask(schema.PARAMETER) & (timeline.alloc_key < 0)
+    params = np.flatnonzero(timeline.category_mask(schema.PARAMETER) & (timeline.alloc_key < 0))
     events = np.flatnonzero(timeline.event_phase == optimizer)
     start = float(events[0]) if len(events) else float(timeline.n_events) - 1
-    out = timeline.dropped(~temps)
-    return out.appended({"size": np.array([float(timeline.size[params].sum())]),
-                         "alloc_key": np.array([start + 0.5]),
-                         "free_key": np.array([start + 0.75]),
-                         "phase": np.array([optimizer], np.int8)})
+    out = timeline.dropped(~temps).with_op(FOREACH_OP)
+    count = len(params)
+    return out.appended({"size": timeline.size[params].astype(float),
+                         "dtype": timeline.dtype[params],
+                         "alloc_key": np.full(count, start + 0.5),
+                         "free_key": np.full(count, start + 0.75),
+                         "phase": np.full(count, optimizer, np.int8),
+                         "op": np.full(count, out.ops.index(FOREACH_OP), np.int32)})
 
 
 def max_micro_batch(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: float,
