@@ -34,7 +34,10 @@ OFFLOADS = ("optimizer", "params", "activations")
 OPTIMIZERS = ("keep", "sgd", "sgd-momentum", "adafactor", "adam8bit")
 KEYS = ("precision", "checkpoint", "accum", "shard", "world", "hybrid", "offload", "optimizer")
 
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+#: a module path (``blocks.0.attn``, ``0`` for a top-level Sequential's first child) or a
+#: class name: dot-joined Python identifiers or non-negative integers.  None holds the
+#: compact form's separators (``,`` ``=`` ``+``), so ``checkpoint=0+2+4`` reads one way only.
+_MODULE_NAME = re.compile(r"(?:[^\W\d]\w*|[0-9]+)(?:\.(?:[^\W\d]\w*|[0-9]+))*")
 
 
 class PlanError(UserError, ValueError):
@@ -103,7 +106,10 @@ class Plan:
                 data = json.load(f)
         except FileNotFoundError:
             raise PlanError(f"plan file {path} does not exist") from None
-        except (OSError, json.JSONDecodeError) as exc:
+        except UnicodeDecodeError as exc:
+            raise PlanError(f"cannot read plan file {path}: not UTF-8 text (at byte "
+                            f"{exc.start}); a plan file is JSON") from None
+        except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, a NUL in the path
             raise PlanError(f"cannot read plan file {path}: {exc}") from None
         if not isinstance(data, dict):
             raise PlanError(f"plan file {path} must hold a JSON object of {', '.join(KEYS)}")
@@ -223,7 +229,7 @@ def _static_problems(plan: Plan) -> Iterable[str]:
         if not plan.checkpoint:
             yield "plan key checkpoint lists no module names"
         for name in plan.checkpoint:
-            if name in ("none", "auto") or not _MODULE_NAME.match(name):
+            if name in ("none", "auto") or not _MODULE_NAME.fullmatch(name):
                 yield (f"checkpoint entry {name!r} is not a module path (blocks.0) or a class "
                        "name (Block); none and auto cannot be combined with names")
     for name in sorted(plan.offload):

@@ -30,22 +30,45 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     from ..errors import UserError
     from ..trace.io import read_trace
     from ..units import parse_bytes
-    from ..simulate import advise, hardware, prepare
+    from ..simulate import advise, prepare
     from ..simulate.output import advise_dict, advise_text
+    from .simulate import check_gpu_option, target_hardware
 
     budget_bytes = parse_bytes(budget)
-    if save_plan and os.path.exists(save_plan) and not overwrite:
-        raise UserError(f"{save_plan} exists; pass --overwrite to replace it")
+    check_gpu_option(gpu)
+    if save_plan is not None:
+        _check_save_path(save_plan, overwrite)
     trace = read_trace(trace_path)
     base = prepare(trace)
-    hw = hardware(gpu, trace.meta.device)
+    hw = target_hardware(gpu, trace.meta.device, expandable_segments)
     allowed = {a.strip() for a in allow.split(",") if a.strip()}
     result = advise(base, hw, budget_bytes, gpus, margin=margin, allow=allowed, top=top,
                     expandable_segments=expandable_segments)
     data = advise_dict(base, result, hw)
-    if save_plan:
-        with open(save_plan, "w", encoding="utf-8") as f:
-            json.dump(result.ranked[0].plan.to_dict(), f, indent=2)
-            f.write("\n")
+    if save_plan is not None:
+        try:
+            with open(save_plan, "w", encoding="utf-8") as f:
+                json.dump(result.ranked[0].plan.to_dict(), f, indent=2)
+                f.write("\n")
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+            raise UserError(f"cannot write --save-plan {save_plan}: "
+                            f"{getattr(exc, 'strerror', None) or exc}") from None
     click.echo(json.dumps(data, indent=2) if as_json else advise_text(data))
     return 0
+
+
+def _check_save_path(path: str, overwrite: bool) -> None:
+    """Refuse a path the plan cannot be written to before the search, not after it."""
+    from ..errors import UserError
+
+    if not path.strip():
+        raise UserError("--save-plan needs a file name, e.g. --save-plan plan.json")
+    if os.path.isdir(path):
+        raise UserError(f"--save-plan {path} is a directory; name a file, e.g. "
+                        f"{os.path.join(path, 'plan.json')}")
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise UserError(f"--save-plan {path}: the folder {parent} {what}")
+    if os.path.exists(path) and not overwrite:
+        raise UserError(f"{path} exists; pass --overwrite to replace it")

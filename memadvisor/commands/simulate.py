@@ -18,16 +18,51 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
 def command(trace_path, plan_spec, gpu, expandable_segments, as_json):
     """Predict one plan's per-rank peak memory and step-time cost, without running it."""
-    from ..plan import Plan
+    from ..errors import UserError
+    from ..plan import Plan, environment_problems
     from ..trace.io import read_trace
-    from ..simulate import hardware, prepare, simulate
+    from ..simulate import prepare, simulate
     from ..simulate.output import simulate_dict, simulate_text
 
+    check_gpu_option(gpu)
     plan = Plan.parse(plan_spec)
     trace = read_trace(trace_path)
     base = prepare(trace)
-    hw = hardware(gpu, trace.meta.device)
+    hw = target_hardware(gpu, trace.meta.device, expandable_segments)
+    # the plans advise rejects and apply refuses are refused here too, in the same words
+    problems = environment_problems(plan, target_environment(hw))
+    if problems:
+        raise UserError(f"cannot simulate {plan} on {hw.name}: {problems[0]}")
     prediction = simulate(base, plan, hw, expandable_segments=expandable_segments)
     data = simulate_dict(base, prediction, hw)
     click.echo(json.dumps(data, indent=2) if as_json else simulate_text(data))
     return 0
+
+
+# --- shared with `advise` -------------------------------------------------------------------
+def check_gpu_option(gpu: str | None) -> None:
+    """An empty ``--gpu`` is a mistake (a shell variable left unset), not the default."""
+    from ..errors import UserError
+    from ..simulate.hardware import PROFILES
+
+    if gpu is not None and not gpu.strip():
+        raise UserError(f"--gpu needs a name; known: {', '.join(PROFILES)}")
+
+
+def target_hardware(gpu: str | None, trace_device: str, expandable_segments: bool):
+    """The target profile; warns when ``--expandable-segments`` cannot apply to it."""
+    from ..simulate import hardware
+
+    hw = hardware(gpu, trace_device)
+    if expandable_segments and hw.device_type != "cuda":
+        click.echo(f"memadvisor: warning: --expandable-segments only applies to CUDA targets; "
+                   f"ignored for {hw.name} (pick a GPU with --gpu)", err=True)
+    return hw
+
+
+def target_environment(hw):
+    """What ``environment_problems`` checks, as ``advise`` fills it in from the profile."""
+    from ..plan import Environment
+
+    return Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
+                       fp16_supported=hw.fp16, bitsandbytes_available=True)

@@ -58,6 +58,11 @@ def test_json_file_and_dict(tmp_path):
     ("optimizer=lion", "plan key optimizer must be one of keep, sgd, sgd-momentum"),
     ("checkpoint=auto+Block", "none and auto cannot be combined with names"),
     ("checkpoint=blocks[0]", "is not a module path"),
+    ("checkpoint=a..b", "checkpoint entry 'a..b' is not a module path"),
+    ("checkpoint=-1", "checkpoint entry '-1' is not a module path"),
+    ("checkpoint=x y", "checkpoint entry 'x y' is not a module path"),
+    ("checkpoint=blocks.1a", "checkpoint entry 'blocks.1a' is not a module path"),
+    ("checkpoint=blocks.", "checkpoint entry 'blocks.' is not a module path"),
 ])
 def test_refusals_say_why(text, message):
     with pytest.raises(PlanError) as info:
@@ -66,6 +71,26 @@ def test_refusals_say_why(text, message):
     assert "\n" not in str(info.value)
     # the CLI turns UserError into one line and exit status 2
     assert isinstance(info.value, UserError) and info.value.exit_code == 2
+
+
+def test_sequential_children_are_module_paths():
+    # a top-level nn.Sequential names its children 0, 1, ...
+    plan = Plan.parse("checkpoint=0+2+4")
+    assert plan.checkpoint == ("0", "2", "4") and str(plan) == "checkpoint=0+2+4"
+    assert Plan.parse("checkpoint=layers.3+blocks.0.attn").checkpoint == (
+        "layers.3", "blocks.0.attn")
+    assert Plan.from_dict({"checkpoint": [0, 2]}).checkpoint == ("0", "2")
+    sequential = [("", "Sequential", 30), ("0", "Linear", 10), ("1", "ReLU", 0),
+                  ("2", "Linear", 10), ("3", "ReLU", 0), ("4", "Linear", 10)]
+    assert resolve_checkpoint(Plan.parse("checkpoint=0+2+4"), sequential) == ["0", "2", "4"]
+
+
+def test_plan_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(PlanError, match=r"cannot read plan file .*plan\.json: not UTF-8 text "
+                                        r"\(at byte 0\)"):
+        Plan.parse(str(path))
 
 
 def test_missing_json_file(tmp_path):
