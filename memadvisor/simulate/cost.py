@@ -4,14 +4,18 @@ Baseline time ``T``: the analysed step's measured duration when the target is th
 that recorded the trace; otherwise the trace's FLOPs at the target's datasheet rate times
 ``MATMUL_EFFICIENCY``.  The throughput the step reached (FLOPs / T) prices extra work:
 
-* recompute: forward FLOPs of the checkpointed modules (``op_stats``), once more;
+* recompute: forward FLOPs of the checkpointed modules (``op_stats``), once more, at the
+  rate the plan's matmuls run (the 16-bit tensor rate under ``amp-*`` / ``bf16`` on a GPU);
 * precision: on a GPU target, matmul/convolution FLOPs run at the bf16/fp16 tensor rate
   (``amp-*``, ``bf16``); on CPU no speed-up is assumed;
 * data parallel: each rank computes ``1/world`` of the batch; communication per step
-  (``sharding.communication_bytes``) at the interconnect bandwidth, overlapped with
-  backward compute (gradient collectives) and forward compute (zero3 gathers);
-* offload: host-link bytes at the host bandwidth, half hidden behind compute (copies and
-  compute overlap; ZeRO-Offload reports ~1.5x over serial), plus the host optimizer step;
+  (``sharding.communication_bytes``: FSDP's collectives repeat every micro-step) at the
+  interconnect bandwidth, overlapped with backward compute (gradient collectives) and
+  forward compute (zero3 gathers);
+* offload: one rank's host-link bytes at the host bandwidth (its shard of the model state;
+  every activation ``save_on_cpu`` moves, to the host and back, each micro-step), half
+  hidden behind compute (copies and compute overlap; ZeRO-Offload reports ~1.5x over
+  serial), plus the host optimizer step over the rank's parameters;
 * accumulation: the same FLOPs in ``accum`` smaller launches, ``ACCUM_OVERHEAD`` of the
   step per extra micro-step (an assumption, printed).
 """
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import Plan
+from ..plan import FSDP_SHARDS, Plan
+from ..units import format_bytes
 from .hardware import LINK_EFFICIENCY, MATMUL_EFFICIENCY, Hardware
 from .offload import host_link_bytes
 from .sharding import communication_bytes
@@ -131,6 +136,13 @@ def _region_forward_flops(work: WorkProfile, regions: list[str]) -> float:
     return total
 
 
+def _flop_text(flops: float) -> str:
+    for scale, unit in ((1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "kFLOP")):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.3g} FLOP"
+
+
 @dataclass
 class Cost:
     baseline_step_s: float
@@ -144,7 +156,10 @@ class Cost:
 
 
 def estimate(plan: Plan, work: WorkProfile, hw: Hardware, regions: list[str],
-             parameter_bytes: float, gradient_bytes: float, activation_bytes: float) -> Cost:
+             parameter_bytes: float, gradient_bytes: float, offloaded_activation_bytes: float,
+             parameter_count: float) -> Cost:
+    """``offloaded_activation_bytes``: what ``save_on_cpu`` moves per micro-step;
+    ``parameter_count``: the model's parameters (the host optimizer steps a rank's share)."""
     assumptions = []
     same_device = hw.device_type == work.measured_on and (
         hw.name == "cpu" or work.measured_on == "cuda")
@@ -156,21 +171,23 @@ def estimate(plan: Plan, work: WorkProfile, hw: Hardware, regions: list[str],
         throughput = hw.fp32_flops * MATMUL_EFFICIENCY
         base = max(work.total_flops / throughput, 1e-6)
         assumptions.append(
-            f"baseline step {base * 1e3:.2f} ms estimated: {work.total_flops / 1e9:.2f} GFLOP "
-            f"at {MATMUL_EFFICIENCY:.0%} of {hw.fp32_flops / 1e12:.0f} TFLOP/s fp32")
+            f"baseline step {base * 1e3:.3g} ms estimated: {_flop_text(work.total_flops)} "
+            f"at {MATMUL_EFFICIENCY:.0%} of {hw.fp32_flops / 1e12:.3g} TFLOP/s fp32")
     terms: list[tuple[str, float]] = []
     compute = base
+    matmul_rate = throughput  # what the checkpointed modules' matmuls run at once more
     if plan.precision != "fp32" and hw.device_type == "cuda" and throughput > 0:
+        matmul_rate = hw.bf16_flops * MATMUL_EFFICIENCY
         matmul_time = work.matmul_flops / throughput
-        fast = work.matmul_flops / (hw.bf16_flops * MATMUL_EFFICIENCY)
+        fast = work.matmul_flops / matmul_rate
         saved = max(matmul_time - fast, 0.0)
         terms.append((f"{plan.precision}: matmuls at the 16-bit tensor rate", -saved))
         compute -= saved
     if regions:
         flops = region_forward_flops(work, regions)
-        recompute = flops / throughput if throughput > 0 else 0.0
+        recompute = flops / matmul_rate if matmul_rate > 0 else 0.0
         terms.append((f"recompute forward of {len(regions)} checkpointed module(s), "
-                      f"{flops / 1e9:.2f} GFLOP", recompute))
+                      f"{_flop_text(flops)}", recompute))
         compute += recompute
     if plan.accum > 1:
         penalty = compute * ACCUM_OVERHEAD * (plan.accum - 1)
@@ -190,22 +207,25 @@ def estimate(plan: Plan, work: WorkProfile, hw: Hardware, regions: list[str],
         backward_share = work.backward_flops / work.total_flops if work.total_flops else 0.5
         hidden = compute * (backward_share if plan.shard != "zero3" else 1.0)
         exposed = max(comm - hidden, 0.0)
-        terms.append((f"{plan.shard} communication {volume / 1e9:.3f} GB/step at "
-                      f"{link / 1e9:.0f} GB/s, {comm * 1e3:.2f} ms ({exposed * 1e3:.2f} ms "
+        terms.append((f"{plan.shard} communication {format_bytes(volume)}/step at "
+                      f"{link / 1e9:.3g} GB/s, {comm * 1e3:.3g} ms ({exposed * 1e3:.3g} ms "
                       "not hidden behind compute)", exposed))
         total += exposed
         assumptions.append(f"collectives reach {LINK_EFFICIENCY:.0%} of the link bandwidth")
-    traffic = host_link_bytes(plan, parameter_bytes, gradient_bytes, activation_bytes)
+    traffic = host_link_bytes(plan, parameter_bytes, gradient_bytes, offloaded_activation_bytes)
     if traffic:
         copy = traffic / hw.host_link_bytes_s
         exposed = copy * (1 - OFFLOAD_OVERLAP)
-        terms.append((f"offload traffic {traffic / 1e9:.3f} GB/step over the host link", exposed))
+        terms.append((f"offload traffic {format_bytes(traffic)}/step over the host link "
+                      f"({hw.host_link_bytes_s / 1e9:.3g} GB/s)", exposed))
         total += exposed
         assumptions.append(f"{OFFLOAD_OVERLAP:.0%} of host copies overlap compute")
     if "optimizer" in plan.offload:
-        params = parameter_bytes / 4
+        # under FSDP each rank steps its own shard (FSDP2 CPUOffloadPolicy)
+        params = parameter_count / (plan.shard_group_size if plan.shard in FSDP_SHARDS else 1)
         host_step = params / hw.host_adam_params_s
-        terms.append((f"optimizer step on the host ({params / 1e6:.1f} M parameters)",
-                      host_step))
+        per_rank = " per rank" if plan.shard in FSDP_SHARDS else ""
+        terms.append((f"optimizer step on the host ({params / 1e6:.2f} M parameters"
+                      f"{per_rank})", host_step))
         total += host_step
     return Cost(base, total, terms, assumptions)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import Plan
+from ..plan import FSDP_SHARDS, Plan
 from ..trace import schema
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
@@ -72,8 +72,7 @@ def persistent_rows(timeline: Timeline) -> np.ndarray:
 def offload_activations(out: Timeline) -> tuple[Timeline, float]:
     """``save_on_cpu``: each saved activation leaves the device after the op that made it
     and comes back just before its backward use.  Returns the timeline and the host peak."""
-    saved = (out.category == _ACTIVATION) & (out.alloc_key >= 0) \
-        & (out.free_key < out.n_events) & (out.size > 0)
+    saved = _saved(out)
     host_bytes = float(out.size[saved].sum())
     free_key = out.free_key.copy()
     original_free = free_key[saved].copy()
@@ -97,13 +96,32 @@ def _itemsize(timeline: Timeline, mask: np.ndarray) -> float:
 
 
 def host_link_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: float,
-                    activation_bytes: float) -> float:
-    """Bytes crossing the host link per optimizer step (both directions together)."""
+                    offloaded_activation_bytes: float) -> float:
+    """Bytes crossing one rank's host link per optimizer step (both directions together).
+    ``offloaded_activation_bytes``: what ``save_on_cpu`` moves in one micro-step
+    (``saved_activation_bytes``): each saved tensor goes to the host and comes back."""
     total = 0.0
+    # under FSDP each rank keeps (and moves) only its shard of the model state
+    shard = plan.shard_group_size if plan.shard in FSDP_SHARDS else 1
     if "optimizer" in plan.offload:
-        total += gradient_bytes + parameter_bytes  # gradients down, parameters up
+        total += (gradient_bytes + parameter_bytes) / shard  # gradients down, parameters up
     if "params" in plan.offload:
-        total += parameter_bytes  # shards up to be gathered
+        total += parameter_bytes / shard  # shards up to be gathered
     if "activations" in plan.offload:
-        total += 2.0 * activation_bytes
+        total += 2.0 * offloaded_activation_bytes * plan.accum
     return total
+
+
+def saved_activation_bytes(timeline: Timeline) -> tuple[float, float]:
+    """Bytes ``save_on_cpu`` moves in one micro-step of ``timeline`` (the rows
+    ``offload_activations`` sends to the host), as (batch-independent, batch-scaled): the
+    second part scales with the micro-batch like ``batch.scale_batch`` scales the rows."""
+    saved = _saved(timeline)
+    scaled = timeline.scales_with_batch
+    return (float(timeline.size[saved & ~scaled].sum()),
+            float(timeline.size[saved & scaled].sum()))
+
+
+def _saved(out: Timeline) -> np.ndarray:
+    return (out.category == _ACTIVATION) & (out.alloc_key >= 0) \
+        & (out.free_key < out.n_events) & (out.size > 0)

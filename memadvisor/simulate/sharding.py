@@ -405,7 +405,10 @@ def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_tot
 
 
 def communication_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: float) -> float:
-    """Bytes each rank sends per optimizer step (ring algorithms, (G-1)/G factors)."""
+    """Bytes each rank sends per optimizer step (ring algorithms, (G-1)/G factors).  DDP and
+    zero1 all-reduce once per step (``no_sync`` on the other micro-steps); FSDP2 gathers
+    and reduce-scatters on every micro-step (the apply runtime does not turn gradient
+    sync off between micro-steps: unsharded gradients would stay alive across them)."""
     if plan.shard == "none" or plan.world <= 1:
         return 0.0
     group = plan.shard_group_size
@@ -421,4 +424,4 @@ def communication_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: floa
     if plan.hybrid:
         replicas = world // group
         volume += 2 * (gradient_bytes / group) * ring(replicas)  # all-reduce across groups
-    return volume
+    return volume * plan.accum

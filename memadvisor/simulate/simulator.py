@@ -34,7 +34,7 @@ from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_fl
 from .hardware import Hardware, device_rules, hardware
 from .bounds import LayoutBounds
 from .loop import hoisted_zero_grad, rewrites_loop
-from .offload import apply_offload, offload_activations
+from .offload import apply_offload, offload_activations, saved_activation_bytes
 from .optimizer_swap import FOREACH_OP, apply_optimizer_swap
 from .precision import apply_precision, scaler_bytes
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline, replay_events
@@ -218,8 +218,15 @@ def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
     peak = bounds.peak_bytes(plan, factor)
     if peak is None:
         return None
-    parameter_bytes = _model_parameter_bytes(base, plan)
-    cost = estimate(plan, base.work, hw, regions, parameter_bytes, parameter_bytes, 0.0)
+    offloaded = 0.0
+    if "activations" in plan.offload:
+        # what save_on_cpu moves, from the model stage that the bounds were built from
+        stage = cache.get(key[:-1])
+        if stage is None:
+            stage = _model_stage(base, plan, hw, regions, cache)
+        fixed, scaled = saved_activation_bytes(stage)
+        offloaded = fixed + scaled * factor
+    cost = _cost(base, plan, hw, regions, offloaded)
     return Prediction(plan, peak, {}, None, None, cost, micro, {}, {}, regions, None)
 
 
@@ -251,13 +258,22 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
                                     result.out_of_memory)
     elif hw.device_type == "cpu":
         allocated = reserved = peak.bytes  # the CPU allocator does not cache
-    parameter_bytes = _model_parameter_bytes(base, plan)
-    activation_bytes = float(peak.by_category.get(schema.ACTIVATION, 0))
-    # gradients have the parameters' size and dtype
-    cost = estimate(plan, base.work, hw, regions, parameter_bytes, parameter_bytes,
-                    activation_bytes)
+    cost = _cost(base, plan, hw, regions, host.get("activations_peak", 0.0))
     return Prediction(plan, peak.bytes, peak.by_category, allocated, reserved, cost, micro,
                       host, notes, regions, timeline, oom)
+
+
+def _cost(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
+          offloaded_activation_bytes: float) -> Cost:
+    """The plan's step-time cost; ``offloaded_activation_bytes``: what ``save_on_cpu``
+    moves per micro-step (the host's activation bytes)."""
+    parameter_bytes = _model_parameter_bytes(base, plan)
+    meta = base.meta
+    count = float(meta.trainable_parameter_count or meta.parameter_count
+                  or (meta.parameter_bytes or 0) / 4)
+    # gradients have the parameters' size and dtype
+    return estimate(plan, base.work, hw, regions, parameter_bytes, parameter_bytes,
+                    offloaded_activation_bytes, count)
 
 
 def _model_parameter_bytes(base: Baseline, plan: Plan) -> float:
