@@ -28,8 +28,9 @@ def prediction_dict(base: Baseline, prediction: Prediction, hw: Hardware) -> dic
         "checkpointed_modules": prediction.regions,
         "terms": explain.category_terms(base.peak.by_category, prediction.by_category, plan,
                                         prediction.micro_batch_size, base.batch_size),
-        "why_little": explain.small_saving_reasons(base.peak.by_category,
-                                                   prediction.peak_bytes, base.peak.bytes, plan),
+        "why_little": explain.small_saving_reasons(
+            base.peak.by_category, prediction.peak_bytes, base.peak.bytes, plan,
+            predicted=prediction.by_category or None),
         "changes": explain.changes(plan),
         "out_of_memory": prediction.out_of_memory,
         "per_rank": plan.world > 1,
