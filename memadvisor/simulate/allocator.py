@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import native_allocator
+
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
 SMALL_BUFFER = 2 << 20
@@ -168,14 +170,17 @@ class CachingAllocator:
 
 
 def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
-           expandable_segments: bool = False, stop_above_bytes: int = 0) -> AllocatorResult:
+           expandable_segments: bool = False, stop_above_bytes: int = 0,
+           native: bool = True) -> AllocatorResult:
     """Run an allocation stream (``replay.replay_events``) through the allocator model.
 
     An allocation freed by the very next event (a kernel's temporary) is a query, not a
     change: when a cached block can hold it, splitting and merging back leave the
     allocator exactly as it was, so only its bytes count toward the allocated peak.
     ``stop_above_bytes``: stop as soon as reserved memory exceeds it (the caller only needs
-    to know the plan does not fit); the result then has ``complete`` False."""
+    to know the plan does not fit); the result then has ``complete`` False.
+    ``native``: run the compiled loop (``native_allocator``) when it loads; the Python
+    loop below is the reference it must equal (``native=False`` runs it)."""
     if expandable_segments:
         return _expandable(signed_sizes)
     allocator = CachingAllocator(capacity_bytes)
@@ -192,6 +197,12 @@ def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
         keep[1:][pair] = False
         kind, rows, rounded = kind[keep], rows[keep], rounded[keep]
     small_request = rounded <= SMALL_SIZE
+    compiled = native_allocator.load() if native else None
+    if compiled is not None:
+        return AllocatorResult(*compiled(
+            kind, rows, rounded, small_request, (MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER,
+                                                 LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE),
+            allocator.capacity, stop_above_bytes))
     free_lists = allocator.free_lists
     complete = True
     for what, row, size, small in zip(kind.tolist(), rows.tolist(), rounded.tolist(),

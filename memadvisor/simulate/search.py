@@ -119,12 +119,14 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
             too_big.append(prediction)
             continue
         ranked.append(prediction)
-    # the exact pass prices offloaded activations the fast pass left out
+    # the same order as the fast pass (both price every term alike), after the allocator
+    # model has dropped plans whose reserved memory does not fit
     ranked.sort(key=lambda p: (round(p.step_time_factor, 3), _complexity(p.plan), p.peak_bytes))
     best = {}
     for prediction in ranked[:3]:
         best[prediction.plan.to_compact()] = max_micro_batch(
-            base, prediction.plan, hw, usable, cache=cache, bounds_cache=bounds)
+            base, prediction.plan, hw, usable, cache=cache, bounds_cache=bounds,
+            expandable_segments=expandable_segments)
     if not ranked:
         smallest = min(too_big, key=lambda p: p.reserved_bytes or p.peak_bytes, default=None)
         need = (f"; the smallest plan ({smallest.plan}) needs "

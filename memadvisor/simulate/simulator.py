@@ -221,10 +221,13 @@ def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
     offloaded = 0.0
     if "activations" in plan.offload:
         # what save_on_cpu moves, from the model stage that the bounds were built from
-        stage = cache.get(key[:-1])
-        if stage is None:
-            stage = _model_stage(base, plan, hw, regions, cache)
-        fixed, scaled = saved_activation_bytes(stage)
+        saved_key = ("saved activations", key[:-1])
+        if saved_key not in cache:
+            stage = cache.get(key[:-1])
+            if stage is None:
+                stage = _model_stage(base, plan, hw, regions, cache)
+            cache[saved_key] = saved_activation_bytes(stage)
+        fixed, scaled = cache[saved_key]
         offloaded = fixed + scaled * factor
     cost = _cost(base, plan, hw, regions, offloaded)
     return Prediction(plan, peak, {}, None, None, cost, micro, {}, {}, regions, None)
@@ -325,11 +328,13 @@ def _device_optimizer_rules(timeline: Timeline, base: Baseline, hw: Hardware,
 
 def max_micro_batch(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: float,
                     limit: int = 1 << 16, cache: dict | None = None,
-                    bounds_cache: dict | None = None) -> int:
+                    bounds_cache: dict | None = None,
+                    expandable_segments: bool = False) -> int:
     """Largest micro-batch (samples per rank per micro-step) whose peak fits the budget;
     0 when even one sample does not fit.  Sizes are linear in the micro-batch, so the plan
     is transformed once and only rescaled while bisecting (through the plan's layout
-    bounds when ``bounds_cache`` is given)."""
+    bounds when ``bounds_cache`` is given).  On a CUDA target the answer must also fit in
+    reserved memory: the allocator model checks it (``_largest_reserved_fit``)."""
     if not base.batch_size:
         return 0
     parts = plan.world * plan.accum
@@ -362,4 +367,37 @@ def max_micro_batch(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: floa
             low = mid
         else:
             high = mid
+    if hw.device_type == "cuda":
+        low = _largest_reserved_fit(base, plan, hw, budget_bytes, low, cache,
+                                    expandable_segments)
+    return low
+
+
+def _largest_reserved_fit(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: float,
+                          high: int, cache: dict | None, expandable_segments: bool,
+                          runs: int = 6) -> int:
+    """The largest micro-batch up to ``high`` (which fits in allocated bytes) that the
+    allocator model also fits in reserved bytes.  Reserved memory is not monotonic in the
+    micro-batch (segment rounding), so this bisects with at most ``runs`` allocator replays
+    and returns the largest size it *verified*: smaller than the true answer at worst,
+    never one that does not fit."""
+    def fits(m: int) -> bool:
+        p = simulate(base, plan, hw, micro_batch=m, cache=cache, categories=False,
+                     expandable_segments=expandable_segments,
+                     allocator_stop_above=int(budget_bytes))
+        return not p.out_of_memory and (p.reserved_bytes or p.peak_bytes) <= budget_bytes
+
+    if high < 1 or fits(high):
+        return high
+    low = 0
+    for _ in range(runs):
+        if high - low <= 1:
+            break
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    if low == 0 and high > 1 and fits(1):
+        low = 1
     return low
