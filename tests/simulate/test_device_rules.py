@@ -43,3 +43,24 @@ def test_foreach_temporaries_are_sharded_with_the_state(base):
 def test_no_foreach_temporaries_for_swapped_optimizers(base):
     for spec in ("optimizer=adam8bit", "optimizer=sgd", "offload=optimizer"):
         assert len(_foreach_sizes(base, spec)) == 0, spec
+
+
+def test_largest_micro_batch_fits_in_reserved_memory(base, monkeypatch):
+    from memadvisor.simulate import simulate, simulator
+    from memadvisor.simulate.simulator import max_micro_batch
+    hw = hardware("h100-80gb")
+    plan = Plan.parse("precision=bf16")
+    one = simulate(base, plan, hw, micro_batch=1)
+    differs = 0
+    for times in (2, 3, 5, 8):
+        budget = one.reserved_bytes * times
+        m = max_micro_batch(base, plan, hw, budget)
+        assert m >= 1
+        assert simulate(base, plan, hw, micro_batch=m).reserved_bytes <= budget
+        # what fitting the allocated bytes alone would have answered
+        with monkeypatch.context() as patch:
+            patch.setattr(simulator, "_largest_reserved_fit", lambda *a: a[4])
+            allocated_only = max_micro_batch(base, plan, hw, budget)
+        assert allocated_only >= m
+        differs += allocated_only != m
+    assert differs  # reserved memory decided at least one answer
