@@ -86,7 +86,10 @@ def _checkpoint_region(timeline: Timeline, region: str, device_type: str):
                         np.where(freed_in_span, squeeze(timeline.free_key[replay]),
                                  recompute_end))
     free_key = timeline.free_key.copy()
-    free_key[saved] = end + 0.5
+    # freed when the region's forward ends, and in any case before its recompute begins
+    # (a region whose forward ends right before backward, e.g. the whole model: its
+    # originals and their recomputed copies never coexist)
+    free_key[saved] = min(end + 0.5, squeeze(start - 0.75))
     out = timeline.retimed(timeline.alloc_key, free_key)
     rows = {name: getattr(timeline, name)[replay] for name in (
         "size", "category", "dtype", "module", "phase", "op", "scales_with_batch", "shape")}
