@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..trace.analysis import live_bytes
 from ..trace.io import write_trace
 from .session import ProfileSession, StopProfiling
 
@@ -180,6 +181,10 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
             table, meta = session.build(script=str(script), args=args, status=status,
                                         error=error)
             write_trace(output, table, meta)
+    # the peak as every reader of the trace counts it (storages alive before recording
+    # included), so the line profile prints agrees with `summary`
+    live = live_bytes(table.select(["size_bytes", "action"]).to_pandas())
     return ProfileResult(trace_path=output, status=status, exit_code=exit_code,
                          steps_completed=meta.steps_completed, events=table.num_rows,
-                         peak_bytes=session.recorder.peak_bytes, error=error, traceback=tb)
+                         peak_bytes=int(live.max()) if len(live) else 0, error=error,
+                         traceback=tb)

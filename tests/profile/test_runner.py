@@ -77,9 +77,14 @@ raise SystemExit("the script ran on past the requested steps")
     assert result.status == "completed", result.error
     assert result.exit_code == 0
     assert result.steps_completed == 3
-    meta = read_trace(result.trace_path).meta
+    trace = read_trace(result.trace_path)
+    meta = trace.meta
     assert meta.steps_completed == 3
     assert meta.steps_requested == 3
+    # the peak profile prints is the one every reader counts (parameters made before the
+    # recording included), as `summary` shows it
+    from memadvisor.trace.analysis import live_bytes
+    assert result.peak_bytes == int(live_bytes(trace.events).max())
 
 
 def test_the_script_ending_before_the_steps_is_completed(tmp_path):
