@@ -88,6 +88,12 @@ def frames_summary(event: dict, depth: int = 3) -> str:
         match = re.search(r"autograd::generated::(\w+)::apply", frame["name"])
         if match:
             return f"(backward thread) {match.group(1)}"
+        # autograd's own steps outside a node: AccumulateGrad's clone of a gradient whose
+        # strides differ from the parameter's, a gradient summed down to an input's shape
+        match = re.search(r"torch::autograd::(?:utils::)?(clone_obey_contract|InputMetadata::reduce_grad"
+                          r"|AccumulateGrad\w*)", frame["name"])
+        if match:
+            return f"(backward thread) {match.group(1)}"
     return "(no Python frame)"
 
 

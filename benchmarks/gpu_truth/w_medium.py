@@ -1,6 +1,7 @@
 """The writer of the W_medium_{128,512,1024}_training snapshots, reproduced.
 
     python benchmarks/gpu_truth/w_medium.py --context-length 128 [--snapshot PATH]
+    python benchmarks/gpu_truth/w_medium.py --context-length 512 --autocast   # and 1024
     python benchmarks/gpu_truth/w_medium.py --d-model 64 --num-layers 2 --d-ff 128 \
         --num-heads 4 --vocab-size 100 --context-length 16        # tiny, on CPU
 
@@ -123,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=MEDIUM_CONFIG["vocab_size"])
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--autocast", action="store_true",
-                        help="bf16 autocast (off in the recorded runs)")
+                        help="bf16 autocast: the ctx 512 and 1024 snapshots were recorded with it "
+                             "(their forward casts every Linear's input and weight), ctx 128 without")
     parser.add_argument("--snapshot", default=None,
                         help="where a CUDA run dumps its snapshot "
                              "(default: medium_<ctx>_training_memory_snapshot.pickle)")
