@@ -42,32 +42,23 @@ Semantics worth knowing (details in ``cuda_hooks/README.md``):
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import sys
 import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from .. import native_build
+from ..native_build import NativeUnavailable
+
 SOURCE_NAME = "allocator_hook.cpp"
 API_VERSION = 1
 _DRAIN_CAPACITY = 8192
-_BUILD_TIMEOUT_S = 300
 
 
-class NativeHookUnavailable(RuntimeError):
+class NativeHookUnavailable(NativeUnavailable):
     """The native allocator hook cannot be built or loaded; ``str(exc)`` is one line."""
-
-    def __init__(self, reason: str, log: str = ""):
-        reason = " ".join(str(reason).split())  # one line, always
-        super().__init__(reason)
-        self.reason = reason
-        self.log = log  # full compiler output, when there was one
 
 
 # --- locating, building -----------------------------------------------------------------
@@ -87,55 +78,30 @@ def source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MEMADVISOR_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "memadvisor"
-    return base / "native"
+    return native_build.cache_dir()
 
 
 def _find_compiler(compiler: str | None) -> str:
-    names = [compiler] if compiler else [
-        c for c in (os.environ.get("MEMADVISOR_CXX"), os.environ.get("CXX"), "g++", "c++") if c]
-    for name in names:
-        path = shutil.which(name)
-        if path:
-            return path
-    raise NativeHookUnavailable(f"no C++ compiler found (tried {', '.join(names)})")
+    return native_build.find_compiler(compiler, NativeHookUnavailable)
 
 
 def _torch_paths() -> tuple[str, Path, Path, int]:
-    try:
-        import torch
-    except ImportError as exc:
-        raise NativeHookUnavailable(f"torch is not importable: {exc}") from None
-
-    root = Path(torch.__file__).resolve().parent
-    include, lib = root / "include", root / "lib"
-    if not (include / "c10" / "core" / "Allocator.h").is_file():
-        raise NativeHookUnavailable(f"torch C++ headers not found under {include}")
-    if not any(lib.glob("libc10.*")):
-        raise NativeHookUnavailable(f"libc10 not found under {lib}")
-    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    return torch.__version__, include, lib, abi
+    build_info = native_build.torch_build(NativeHookUnavailable)
+    return build_info.version, build_info.include, build_info.lib, build_info.cxx11_abi
 
 
-def _compile_command(cxx: str, src: Path, out: Path, include: Path, lib: Path,
-                     abi: int, with_aten: bool = False) -> list[str]:
-    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}"]
-    libs = ["-lc10"]
-    if with_aten:
-        # the op tracker: ATen's RecordFunction and Python's frame API
-        cmd += [f"-I{sysconfig.get_paths()['include']}", "-Wno-c++20-extensions", "-DNDEBUG"]
-        libs = ["-ltorch_cpu", "-lc10"]
-    return cmd + [str(src), "-o", str(out), f"-L{lib}", *libs, f"-Wl,-rpath,{lib}"]
+def _compile_command(cxx: str, src: Path, out: Path, build_info: native_build.TorchBuild,
+                     with_aten: bool = False) -> list[str]:
+    if not with_aten:
+        return native_build.compile_command(cxx, src, out, build_info)
+    # the op tracker: ATen's RecordFunction and Python's frame API
+    return native_build.compile_command(
+        cxx, src, out, build_info,
+        flags=(f"-I{sysconfig.get_paths()['include']}", "-Wno-c++20-extensions", "-DNDEBUG"),
+        libs=("-ltorch_cpu", "-lc10"))
 
 
-def _first_error_line(log: str) -> str:
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    for ln in lines:
-        if "error" in ln.lower():
-            return ln[:300]
-    return lines[0][:300] if lines else "no output"
+_first_error_line = native_build.first_error_line
 
 
 def library_path(cache: str | os.PathLike | None = None,
@@ -150,13 +116,8 @@ def library_path(cache: str | os.PathLike | None = None,
                           for name in dict.fromkeys((SOURCE_NAME, source_name)))
     except OSError as exc:
         raise NativeHookUnavailable(f"cannot read {src_dir / source_name}: {exc}") from None
-    torch_version, include, _lib, abi = _torch_paths()
-    key = hashlib.sha256(b"\0".join([
-        source, torch_version.encode(), str(abi).encode(),
-        (sys.implementation.cache_tag or "").encode(),
-        (sysconfig.get_config_var("SOABI") or "").encode(), str(include).encode(),
-    ])).hexdigest()[:16]
-    out_dir = Path(cache).expanduser() / "native" if cache is not None else cache_dir()
+    key = native_build.cache_key(source, native_build.torch_build(NativeHookUnavailable))
+    out_dir = native_build.cache_dir(cache)
     return out_dir / f"{Path(source_name).stem}-{key}.so"
 
 
@@ -173,39 +134,13 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
     if out.is_file() and not force:
         return out
     src = source_dir() / source_name
-    _torch_version, include, lib, abi = _torch_paths()
-    out_dir = out.parent
+    build_info = native_build.torch_build(NativeHookUnavailable)
     cxx = _find_compiler(compiler)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{src.stem}-", suffix=".so.tmp",
-                                        dir=out_dir)
-        os.close(fd)
-    except OSError as exc:
-        raise NativeHookUnavailable(f"cannot write to cache {out_dir}: {exc}") from None
-    tmp = Path(tmp_name)
-    cmd = _compile_command(cxx, src, tmp, include, lib, abi,
-                           with_aten=source_name != SOURCE_NAME)
-    try:
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True,
-                                  timeout=_BUILD_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise NativeHookUnavailable(f"could not run {cxx}: {exc}") from None
-        if proc.returncode != 0:
-            log = (proc.stderr or "") + (proc.stdout or "")
-            try:
-                out.with_suffix(".log").write_text(" ".join(cmd) + "\n" + log)
-            except OSError:
-                pass
-            raise NativeHookUnavailable(
-                f"building {src.name} failed ({Path(cxx).name} exit "
-                f"{proc.returncode}): {_first_error_line(log)}", log=log)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)  # atomic: concurrent builders never see a partial file
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return native_build.compile_library(
+        src, out,
+        lambda tmp: _compile_command(cxx, src, tmp, build_info,
+                                     with_aten=source_name != SOURCE_NAME),
+        NativeHookUnavailable)
 
 
 # --- the loaded hook ---------------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""Building the small C++ libraries in ``cuda_hooks/`` against the installed torch.
+
+One place for what every native piece that links torch needs: the compiler, torch's
+headers and libraries, the cache key, and an atomic, logged compile whose failure is one
+line.  Used by the CPU allocator hook and op tracker (``profile/native.py``) and the fake
+CUDA shim (``fake/shim.py``).
+
+Nothing here imports torch unless it already is: the fake CUDA shim must be built and
+loaded *before* ``import torch`` (torch resolves its CUDA hooks once, while importing).
+
+Environment:
+    MEMADVISOR_CACHE  cache root (default ``~/.cache/memadvisor``); libraries go in ``native/``
+    MEMADVISOR_CXX    C++ compiler (default ``$CXX``, then ``g++``, then ``c++``)
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+BUILD_TIMEOUT_S = 300
+
+
+class NativeUnavailable(RuntimeError):
+    """A native library cannot be built or loaded; ``str(exc)`` is one line."""
+
+    def __init__(self, reason: str, log: str = ""):
+        reason = " ".join(str(reason).split())  # one line, always
+        super().__init__(reason)
+        self.reason = reason
+        self.log = log  # full compiler output, when there was one
+
+
+@dataclass(frozen=True, slots=True)
+class TorchBuild:
+    """Where torch's C++ headers and libraries are, and what a library must match."""
+    version: str
+    include: Path
+    lib: Path
+    cxx11_abi: int
+
+
+def cache_dir(cache: str | os.PathLike | None = None) -> Path:
+    """``<cache>/native``; ``cache`` overrides ``$MEMADVISOR_CACHE``."""
+    if cache is not None:
+        return Path(cache).expanduser() / "native"
+    root = os.environ.get("MEMADVISOR_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "memadvisor"
+    return base / "native"
+
+
+def find_compiler(compiler: str | None = None,
+                  error: type[NativeUnavailable] = NativeUnavailable) -> str:
+    names = [compiler] if compiler else [
+        c for c in (os.environ.get("MEMADVISOR_CXX"), os.environ.get("CXX"), "g++", "c++") if c]
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise error(f"no C++ compiler found (tried {', '.join(names)})")
+
+
+def _abi_without_import(version: str) -> int:
+    # torch >= 2.7 is built with the C++11 ABI only (torch.compiled_with_cxx11_abi()
+    # returns a constant True); older versions vary, so ask a throwaway interpreter.
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and (int(match[1]), int(match[2])) >= (2, 7):
+        return 1
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"],
+        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    return 1 if proc.stdout.strip() != "0" else 0
+
+
+def torch_build(error: type[NativeUnavailable] = NativeUnavailable) -> TorchBuild:
+    """torch's version, include and lib directories and C++ ABI, found without importing
+    torch when it is not imported yet."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "__version__"):
+        root = Path(torch.__file__).resolve().parent
+        version = torch.__version__
+        abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    else:
+        try:
+            spec = importlib.util.find_spec("torch")
+        except (ImportError, ValueError) as exc:
+            raise error(f"torch is not importable: {exc}") from None
+        if spec is None or not spec.origin:
+            raise error("torch is not installed")
+        root = Path(spec.origin).resolve().parent
+        try:
+            text = (root / "version.py").read_text()
+        except OSError as exc:
+            raise error(f"cannot read torch's version: {exc}") from None
+        match = re.search(r"__version__\s*=\s*['\"]([^'\"]+)['\"]", text)
+        if match is None:
+            raise error(f"no __version__ in {root / 'version.py'}")
+        version = match[1]
+        abi = _abi_without_import(version)
+    include, lib = root / "include", root / "lib"
+    if not (include / "c10" / "core" / "Allocator.h").is_file():
+        raise error(f"torch C++ headers not found under {include}")
+    if not any(lib.glob("libc10.*")):
+        raise error(f"libc10 not found under {lib}")
+    return TorchBuild(version, include, lib, abi)
+
+
+def cache_key(sources: bytes, build: TorchBuild) -> str:
+    """A hash of what a compiled library depends on: its source(s), torch's version, C++
+    ABI and include path, and the Python ABI."""
+    return hashlib.sha256(b"\0".join([
+        sources, build.version.encode(), str(build.cxx11_abi).encode(),
+        (sys.implementation.cache_tag or "").encode(),
+        (sysconfig.get_config_var("SOABI") or "").encode(), str(build.include).encode(),
+    ])).hexdigest()[:16]
+
+
+def compile_command(cxx: str, src: Path, out: Path, build: TorchBuild, *,
+                    flags: tuple[str, ...] = (), libs: tuple[str, ...] = ("-lc10",)) -> list[str]:
+    return [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden",
+            f"-D_GLIBCXX_USE_CXX11_ABI={build.cxx11_abi}", f"-I{build.include}", *flags,
+            str(src), "-o", str(out), f"-L{build.lib}", *libs, f"-Wl,-rpath,{build.lib}"]
+
+
+def first_error_line(log: str) -> str:
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in lines:
+        if "error" in ln.lower():
+            return ln[:300]
+    return lines[0][:300] if lines else "no output"
+
+
+def compile_library(src: Path, out: Path, command: "callable",
+                    error: type[NativeUnavailable] = NativeUnavailable) -> Path:
+    """Run ``command(tmp_path)`` (a compiler command line writing ``tmp_path``) and move the
+    result to ``out`` atomically, so concurrent builders never load a partial file.  On
+    failure raises ``error`` with a one-line reason; the full compiler output goes to the
+    exception's ``log`` and to ``out`` with suffix ``.log``."""
+    out_dir = out.parent
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{src.stem}-", suffix=".so.tmp", dir=out_dir)
+        os.close(fd)
+    except OSError as exc:
+        raise error(f"cannot write to cache {out_dir}: {exc}") from None
+    tmp = Path(tmp_name)
+    cmd = command(tmp)
+    cxx = cmd[0]
+    try:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise error(f"could not run {cxx}: {exc}") from None
+        if proc.returncode != 0:
+            log = (proc.stderr or "") + (proc.stdout or "")
+            try:
+                out.with_suffix(".log").write_text(" ".join(cmd) + "\n" + log)
+            except OSError:
+                pass
+            raise error(f"building {src.name} failed ({Path(cxx).name} exit "
+                        f"{proc.returncode}): {first_error_line(log)}", log=log)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
