@@ -1,0 +1,99 @@
+"""One rank of an N-rank job, alone, on torch's fake process group.
+
+``init_process_group`` is redirected to the ``fake`` backend
+(``torch.testing._internal.distributed.fake_pg``: collectives return at once, their
+outputs are the right shape and garbage), whatever backend the script asks for (nccl,
+gloo, ``cuda:nccl,cpu:gloo``) and whatever store or init method it names, with the rank
+and world size fake execution was given.  torchrun's environment (RANK, WORLD_SIZE,
+LOCAL_RANK, ...) is set for the script to read.
+
+``init_device_mesh`` runs outside fake mode: it builds its rank map with ``torch.arange``
+and reads it back (``tolist``), which on fake tensors would read placeholders.  It is
+patched where it is defined and in every loaded module that imported it by name
+(FSDP2's ``fully_shard`` builds its default mesh through such an import).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .patching import Patches
+
+GPUS_PER_NODE = 8
+
+
+def torchrun_environment(rank: int, num_ranks: int) -> dict[str, str]:
+    """What torchrun would set for ``rank`` of ``num_ranks`` on nodes of up to 8 GPUs."""
+    local_world_size = min(num_ranks, GPUS_PER_NODE)
+    return {"RANK": str(rank), "WORLD_SIZE": str(num_ranks),
+            "LOCAL_RANK": str(rank % local_world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size),
+            "GROUP_RANK": str(rank // local_world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+class EnvironmentPatch:
+    def __init__(self, values: dict[str, str]):
+        self._saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+
+    def undo(self) -> None:
+        for name, old in self._saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def install(rank: int, num_ranks: int) -> Patches:
+    """Redirect process-group creation to the fake backend as ``rank`` of ``num_ranks``."""
+    if not dist.is_available():
+        return Patches()
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+    patches = Patches()
+    original_init = dist.init_process_group
+
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
+                           rank_=-1, store=None, group_name="", pg_options=None,
+                           device_id=None, **kwargs):
+        # the script's backend, store, rank and world size describe the real job; the
+        # fake job is this rank of num_ranks, talking to nobody
+        kwargs.pop("rank", None)
+        extra = {"timeout": timeout} if timeout is not None else {}
+        with unset_fake_temporarily():
+            return original_init("fake", store=FakeStore(), rank=rank, world_size=num_ranks,
+                                 group_name=group_name, **extra)
+
+    patches.set(dist, "init_process_group", init_process_group)
+    patches.set(dist.distributed_c10d, "init_process_group", init_process_group)
+
+    from torch.distributed import device_mesh
+    original_mesh = device_mesh.init_device_mesh
+
+    def init_device_mesh(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original_mesh(*args, **kwargs)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "init_device_mesh", None) is original_mesh:
+            patches.set(module, "init_device_mesh", init_device_mesh)
+    # the class's own constructor reads its rank map back too
+    original_mesh_init = device_mesh.DeviceMesh.__init__
+
+    def mesh_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original_mesh_init(self, *args, **kwargs)
+
+    patches.set(device_mesh.DeviceMesh, "__init__", mesh_init)
+    return patches
+
+
+def shutdown() -> None:
+    """Destroy the fake default group, if the script left one."""
+    if dist.is_available() and dist.is_initialized():
+        with unset_fake_temporarily():
+            dist.destroy_process_group()

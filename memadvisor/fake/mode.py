@@ -1,0 +1,98 @@
+"""The fake tensor mode fake execution runs under: FakeTensorMode plus three answers.
+
+1. Ops that read values (``item``, ``bool``, ``nonzero``, ...) get placeholders
+   (``placeholders.py``) instead of FakeTensorMode's DataDependentOutputException.
+2. Stream bookkeeping ops (``record_stream``) are no-ops: there is one timeline.
+3. Ops that have no fake or meta kernel (custom CUDA extensions, some CUDA-only ops)
+   raise :class:`FakeOpUnsupported` naming the op, instead of an internal exception or
+   FakeTensorMode's attempt to run a real kernel on invented data.
+
+Every fake CUDA tensor an op returns has its storage counted by ``memory.LiveFakeBytes``.
+"""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, UnsupportedOperatorException)
+from torch.utils._pytree import tree_iter
+
+from . import placeholders
+from .memory import LiveFakeBytes
+
+_aten = torch.ops.aten
+_NO_OPS = frozenset({_aten.record_stream.default})
+
+
+class FakeOpUnsupported(RuntimeError):
+    """An op cannot run on fake tensors; ``op`` names it (``mylib::fused_kernel``)."""
+
+    def __init__(self, op: str, reason: str, location: str):
+        self.op, self.reason, self.location = op, reason, location
+        super().__init__(f"{op} cannot run under fake execution ({reason}), called from "
+                         f"{location}; a custom op needs a fake kernel "
+                         f"(torch.library.register_fake) to be profiled without a GPU")
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "name", None)
+    return name() if callable(name) else str(func)
+
+
+class SimulatedGpuMode(FakeTensorMode):
+    """FakeTensorMode that answers value reads with placeholders and counts live bytes."""
+
+    def __init__(self, *, live_bytes: LiveFakeBytes | None = None,
+                 placeholder_log: placeholders.PlaceholderLog | None = None):
+        # real tensors (CPU data, numpy-made batches) mix in freely: they are converted
+        # to fake tensors when an op meets them, as a copy to the GPU would
+        super().__init__(allow_non_fake_inputs=True)
+        self.live_bytes = live_bytes if live_bytes is not None else LiveFakeBytes()
+        self.placeholder_log = placeholder_log or placeholders.PlaceholderLog()
+
+    @property
+    def avoid_device_init(self) -> bool:
+        # FakeTensorMode constant-folds ops on real inputs by running them for real unless
+        # the target device is unavailable; with torch.cuda.is_available() patched to
+        # True it would run a real copy to 'cuda' (no CUDA kernels here).  There is never
+        # a device to initialise under fake execution.
+        return True
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NO_OPS:
+            return None
+        answered = placeholders.answer(func, args, kwargs, self.placeholder_log, self._empty)
+        if answered is not NotImplemented:
+            self._track(answered)
+            return answered
+        try:
+            out = super().dispatch(func, types, args, kwargs)
+        except UnsupportedOperatorException:
+            raise FakeOpUnsupported(_op_name(func), "no fake or meta kernel",
+                                    placeholders.script_location()) from None
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise FakeOpUnsupported(_op_name(func), f"its output depends on tensor values: "
+                                    f"{type(exc).__name__}",
+                                    placeholders.script_location()) from None
+        except (NotImplementedError, RuntimeError) as exc:
+            # custom ops (torch.library) without a fake kernel say so in their message
+            if "fake impl" in str(exc) or "register_fake" in str(exc):
+                raise FakeOpUnsupported(_op_name(func), "no fake kernel registered",
+                                        placeholders.script_location()) from None
+            raise
+        self._track(out)
+        return out
+
+    def _empty(self, shape, dtype, device):
+        return super().dispatch(_aten.empty.memory_format, (), (list(shape),),
+                                {"dtype": dtype, "device": device})
+
+    def _track(self, out) -> None:
+        if isinstance(out, FakeTensor):
+            self.live_bytes.track(out)
+            return
+        if isinstance(out, (tuple, list)):
+            for leaf in tree_iter(out):
+                if isinstance(leaf, FakeTensor):
+                    self.live_bytes.track(leaf)

@@ -1,0 +1,136 @@
+"""What fake execution answers when a script reads a tensor's values.
+
+A fake tensor has no data, so ``loss.item()``, ``t.tolist()``, ``bool(t)``,
+``torch.allclose(a, b)`` and ``t.nonzero()`` cannot be computed.  Rather than stop the
+script (FakeTensorMode raises), fake execution answers with a documented placeholder and
+records where the script asked, so the profile can say which lines saw invented values:
+
+    scalar reads (``item``, ``tolist`` elements, ``float(t)``, ``int(t)``)
+        1.0 for floating and complex tensors, 1 for integer tensors, True for bool
+        tensors.  One, not zero: ``if loss < target: break`` keeps training, and nothing
+        divides by zero.
+    ``bool(t)`` and ``if t:``: the tensor's scalar read, so True.
+    ``torch.allclose`` / ``torch.equal``: True.
+    ``nonzero`` / ``argwhere``: every element counted as non-zero (shape ``(numel, ndim)``),
+    the largest result the real op could return, so memory is over-, never
+    under-estimated.  ``masked_select``: ``(numel,)`` likewise.
+
+A script whose control flow depends on these values (``while loss > eps``) runs the
+branch the placeholder picks; the records let a report warn about each such line.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+_aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FAKE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+SCALAR_OPS = frozenset({_aten._local_scalar_dense.default})
+TRUE_OPS = frozenset({_aten.allclose.default, _aten.equal.default})
+UPPER_BOUND_OPS = frozenset({_aten.nonzero.default, _aten.argwhere.default,
+                             _aten.masked_select.default})
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceholderUse:
+    op: str
+    """The aten op that needed real values (``aten._local_scalar_dense`` for item())."""
+    location: str
+    """``file:line`` of the script's frame that asked (first frame outside torch)."""
+    value: str
+    """What was answered."""
+    inside_torch: str
+    """The torch function that asked on the script's behalf (``torch.optim.adamw:adamw``
+    reading its step count), or '' when the script's own line asked."""
+
+
+def _is_internal(filename: str) -> bool:
+    return (filename.startswith(_TORCH_DIR) or filename.startswith(_FAKE_DIR)
+            or filename.startswith("<frozen"))
+
+
+def script_location() -> str:
+    """``file:line`` of the innermost frame outside torch and this package."""
+    return _locate()[0]
+
+
+def _locate() -> tuple[str, str]:
+    """(script ``file:line``, the outermost torch function between it and here)."""
+    frame = sys._getframe(1)
+    torch_function = ""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_internal(filename):
+            return f"{filename}:{frame.f_lineno}", torch_function
+        if filename.startswith(_TORCH_DIR):
+            module = filename[len(_TORCH_DIR):].removesuffix(".py").replace(os.sep, ".")
+            torch_function = f"torch.{module}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<unknown>", torch_function
+
+
+def scalar_placeholder(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return True
+    if dtype.is_floating_point:
+        return 1.0
+    if dtype.is_complex:
+        return complex(1.0)
+    return 1
+
+
+class PlaceholderLog:
+    """Every placeholder answered, in order (bounded: the first ``limit`` are kept, all are
+    counted by location)."""
+
+    def __init__(self, limit: int = 10_000):
+        self._lock = threading.Lock()
+        self.limit = limit
+        self.uses: list[PlaceholderUse] = []
+        self.count_by_location: Counter[str] = Counter()
+
+    def record(self, op: str, value: object) -> None:
+        location, inside_torch = _locate()
+        with self._lock:
+            self.count_by_location[location] += 1
+            if len(self.uses) < self.limit:
+                self.uses.append(PlaceholderUse(op, location, repr(value), inside_torch))
+
+    def locations(self) -> list[str]:
+        """Distinct script lines that read placeholder values, most frequent first."""
+        return [loc for loc, _ in self.count_by_location.most_common()]
+
+    def script_reads(self) -> list[PlaceholderUse]:
+        """The uses where the script's own line read a value (not torch on its behalf,
+        like an optimizer reading its step count): the lines a report should warn about."""
+        return [use for use in self.uses if not use.inside_torch]
+
+
+def answer(func, args, kwargs, log: PlaceholderLog, empty):
+    """The placeholder for ``func(*args, **kwargs)``, if it is one of the value-reading ops
+    above; ``NotImplemented`` otherwise.  ``empty(shape, dtype, device)`` makes a fake
+    tensor (the fake mode is not active inside its own dispatch)."""
+    if func in SCALAR_OPS:
+        value = scalar_placeholder(args[0].dtype)
+    elif func in TRUE_OPS:
+        value = True
+    elif func in UPPER_BOUND_OPS:
+        source = args[0]
+        if func is _aten.masked_select.default:
+            shape = torch.broadcast_shapes(source.shape, args[1].shape)
+            value = empty((int(torch.Size(shape).numel()),), source.dtype, source.device)
+        else:
+            value = empty((source.numel(), source.dim()), torch.long, source.device)
+        log.record(str(func.overloadpacket), f"upper bound {tuple(value.shape)}")
+        return value
+    else:
+        return NotImplemented
+    log.record(str(func.overloadpacket), value)
+    return value
