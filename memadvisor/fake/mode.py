@@ -2,7 +2,8 @@
 
 1. Ops that read values (``item``, ``bool``, ``nonzero``, ...) get placeholders
    (``placeholders.py``) instead of FakeTensorMode's DataDependentOutputException.
-2. Stream bookkeeping ops (``record_stream``) are no-ops: there is one timeline.
+2. Stream bookkeeping ops (``record_stream``) are no-ops: there is one timeline; pinning
+   host memory (``pin_memory``) copies.
 3. Ops that have no fake or meta kernel (custom CUDA extensions, some CUDA-only ops)
    raise :class:`FakeOpUnsupported` naming the op, instead of an internal exception or
    FakeTensorMode's attempt to run a real kernel on invented data.
@@ -62,6 +63,12 @@ class SimulatedGpuMode(FakeTensorMode):
         kwargs = kwargs or {}
         if func in _NO_OPS:
             return None
+        if func is _aten._pin_memory.default:
+            # DataLoader(pin_memory=True) pins each batch: host memory, which fake
+            # execution does not model; a copy keeps the batch usable
+            return super().dispatch(_aten.clone.default, types, (args[0],), {})
+        if func is _aten.is_pinned.default:
+            return False
         answered = placeholders.answer(func, args, kwargs, self.placeholder_log, self._empty)
         if answered is not NotImplemented:
             self._track(answered)

@@ -8,8 +8,10 @@
     run.peak_bytes, run.step_peak_bytes, run.placeholder_log.uses
 
 Inside, ``torch.cuda`` describes ``gpu`` (``cuda_stubs.py``), every tensor an op makes is
-fake (``mode.py``; CPU tensors, numpy and data loaders keep working, a real tensor moved
-to 'cuda' becomes fake), modules move to 'cuda' keeping their parameter objects
+fake (``mode.py``), on the CPU too (``torch.from_numpy`` included: a model built on the
+CPU before ``.cuda()`` must cost nothing), so values are known only for real tensors made
+before; real tensors mix in freely and one moved to 'cuda' becomes fake; DataLoader
+workers load real batches (``_real_data_workers``); modules move to 'cuda' keeping their parameter objects
 (``modules.py``), value reads answer placeholders (``placeholders.py``), and with
 ``nproc`` > 1 (or a script that calls ``init_process_group``) the process is rank
 ``rank`` of an ``nproc``-rank job on torch's fake process group (``distributed.py``).
@@ -100,6 +102,32 @@ def _track_storage_resizes(live_bytes):
     return patches
 
 
+def _real_data_workers():
+    """DataLoader workers (forked: they inherit the fake mode) load real CPU batches; the
+    main process fakes a batch when it moves to 'cuda', as with num_workers=0."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils.data._utils import worker
+    from .patching import Patches
+    patches = Patches()
+    original = worker._worker_loop
+
+    def worker_loop(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    patches.set(worker, "_worker_loop", worker_loop)
+    # and the batches they send are rebuilt as real tensors on shared memory
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter as Iter
+    original_get = Iter._try_get_data
+
+    def try_get_data(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return original_get(self, *args, **kwargs)
+
+    patches.set(Iter, "_try_get_data", try_get_data)
+    return patches
+
+
 @contextlib.contextmanager
 def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0, *,
                    memory_stats=None) -> Iterator[FakeRun]:
@@ -133,6 +161,7 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
                                        loaded.set_current_device))
         undo.append(modules.install())
         undo.append(_track_storage_resizes(run.live_bytes))
+        undo.append(_real_data_workers())
         undo.append(distributed.EnvironmentPatch(
             distributed.torchrun_environment(rank, nproc)))
         undo.append(distributed.install(rank, nproc))

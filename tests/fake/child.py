@@ -35,6 +35,7 @@ def case_train() -> dict:
     out.update(_probe_lifetimes())
     out.update(_probe_real_module())
     out.update(_probe_refusal())
+    out.update(_probe_data_loading())
     out["cuda_available_after"] = torch.cuda.is_available()
     return out
 
@@ -129,6 +130,30 @@ def _probe_refusal() -> dict:
             return {"refusal": None}
         except FakeOpUnsupported as exc:
             return {"refusal": [exc.op, str(exc)]}
+
+
+def _probe_data_loading() -> dict:
+    """DataLoader workers (forked inside fake execution) and pinned memory, then to the fake
+    GPU.  The dataset is real (loaded before, as from disk): its batches stay real."""
+    import numpy as np
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils.data import DataLoader, TensorDataset
+    from memadvisor.fake.runtime import fake_execution
+    dataset = TensorDataset(torch.from_numpy(np.arange(32, dtype=np.float32).reshape(8, 4)))
+    with fake_execution():
+        model = torch.nn.Linear(4, 2).cuda()
+        seen = []
+        for workers in (0, 2):
+            loader = DataLoader(dataset, batch_size=4, num_workers=workers, pin_memory=True)
+            for (batch,) in loader:
+                out = model(batch.to("cuda", non_blocking=True))
+                seen.append([workers, str(batch.device), str(out.device), list(out.shape)])
+        batch = next(iter(DataLoader(dataset, batch_size=4, num_workers=1)))[0]
+        with unset_fake_temporarily():
+            # a real batch keeps its values (a fake one would only have placeholders)
+            first_value = float(batch[1, 0]) if type(batch) is torch.Tensor else None
+    return {"data_loading": seen, "worker_batch_value": first_value}
 
 
 def case_fsdp() -> dict:

@@ -91,6 +91,13 @@ def test_a_module_built_before_fake_execution_moves_to_the_fake_gpu(train):
     assert moved["grad_device"] == "cuda:0"
 
 
+def test_data_loaders_keep_working(train):
+    seen = train["data_loading"]
+    assert [row[0] for row in seen] == [0, 0, 2, 2]
+    assert all(row[1] == "cpu" and row[2] == "cuda:0" and row[3] == [4, 2] for row in seen)
+    assert train["worker_batch_value"] == 4.0  # the real dataset's value, not a placeholder
+
+
 def test_an_op_without_a_fake_kernel_is_refused_by_name(train):
     op, message = train["refusal"]
     assert op == "memadvisor_test::mystery_kernel"
