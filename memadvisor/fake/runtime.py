@@ -149,11 +149,11 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
     from .memory import LiveFakeBytes
     from .mode import SimulatedGpuMode
 
-    if not _active_lock.acquire(blocking=False):
-        raise RuntimeError("fake execution is already running in this process")
     run = FakeRun(gpu=profile, num_ranks=nproc, rank=rank)
     run.live_bytes = LiveFakeBytes()
     run.mode = SimulatedGpuMode(live_bytes=run.live_bytes)
+    if not _active_lock.acquire(blocking=False):
+        raise RuntimeError("fake execution is already running in this process")
     undo = []
     try:
         undo.append(cuda_stubs.install(profile, min(nproc, shim_module.MAX_DEVICES),
