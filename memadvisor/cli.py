@@ -27,6 +27,10 @@ COMMANDS = {
     "check": ("check", "CI gate: exit 1 when over budget or regressed against a baseline."),
     "compare": ("compare", "What changed between two traces."),
     "ui": ("ui", "Interactive dashboard of the memory timeline and the plans."),
+    "import-snapshot": ("import_snapshot",
+                        "Turn a CUDA memory snapshot (_dump_snapshot pickle) into a trace."),
+    "export-snapshot": ("export_snapshot",
+                        "Write a trace as a CUDA memory snapshot for pytorch.org/memory_viz."),
 }
 
 

@@ -50,7 +50,7 @@ def step_profile(trace: Trace, step: int | None = None) -> dict[str, Any]:
         "step": step,
         "events": int(window.stop - window.start),
         "peak_bytes": peak_bytes,
-        "allocated_bytes": int(allocs["size_bytes"].sum()),
+        "allocated_bytes": int(analysis.counted_bytes(allocs).sum()),
         "duration_s": durations.get(step),
         "peak": None if peak_row is None else {
             "phase": str(peak_row["phase"]), "module": str(peak_row["module"]),
@@ -70,7 +70,7 @@ def _check_step(trace: Trace, step: int) -> None:
 
 
 def _sum_by(frame, key: str) -> dict[str, int]:
-    sums = frame.groupby(key, observed=True)["size_bytes"].sum()
+    sums = analysis.bytes_by(frame, key)["sum"]
     label = (lambda name: str(name) or TOP_LEVEL) if key == "module" else str
     return {label(name): int(size) for name, size in sums.items() if size}
 

@@ -13,9 +13,10 @@ released and the request retried, as on a failed cudaMalloc).
 (large) pages; modelled as the pool's live block bytes rounded up to whole pages, at the
 worst moment (fragmentation inside the mapped range is ignored).
 
-Not modelled: warm-up history before the analysed step (the stream starts with the
-storages alive across the step, allocated in order), several streams, record_stream,
-``max_split_size_mb`` and ``roundup_power2_divisions``.
+``max_split_size_mb`` and ``roundup_power2_divisions`` are honoured (``allocator_config``;
+the Python loop runs then).  Not modelled: warm-up history before the analysed step (the
+stream starts with the storages alive across the step, allocated in order; a recorded
+state can be given instead, ``add_segment``/``place``), several streams, record_stream.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import native_allocator
+from .allocator_config import AllocatorConfig
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -66,8 +68,11 @@ class _Block:
 
 
 class CachingAllocator:
-    def __init__(self, capacity_bytes: int = 0):
+    def __init__(self, capacity_bytes: int = 0, config: AllocatorConfig | None = None):
         self.capacity = capacity_bytes or (1 << 62)
+        self.config = config or AllocatorConfig()
+        #: blocks at or over it are never split (0: no limit), PYTORCH_CUDA_ALLOC_CONF
+        self.max_split = self.config.max_split_size_bytes or (1 << 62)
         self.free_lists = {True: [], False: []}  # small? -> sorted [(size, seg, offset, id)]
         self.blocks: dict[tuple[int, int], _Block] = {}
         self.segment_sizes: dict[int, tuple[int, bool]] = {}
@@ -91,8 +96,26 @@ class CachingAllocator:
         del items[index]
 
     def malloc(self, size: int) -> _Block:
-        rounded = round_size(size)
+        rounded = self.config.round_size(size)
         return self.malloc_rounded(rounded, rounded <= SMALL_SIZE)
+
+    def splits(self, rounded: int, remaining: int, small: bool) -> bool:
+        """``should_split``: small pool at >= 512 B left; large pool at > 1 MiB left, for
+        requests under max_split_size."""
+        if small:
+            return remaining >= MIN_BLOCK
+        return rounded < self.max_split and remaining > SMALL_SIZE
+
+    def _usable(self, items, index: int, rounded: int) -> bool:
+        """``get_free_block``'s max_split_size rules for the best-fitting block: requests
+        under the limit never take an oversize block, requests over it only one within
+        20 MiB of their size (larger blocks come later in the list, so the first decides)."""
+        if index == len(items):
+            return False
+        size = items[index][0]
+        if rounded < self.max_split:
+            return size < self.max_split
+        return size < rounded + LARGE_BUFFER
 
     def fits_cached(self, rounded: int, small: bool) -> bool:
         """Whether a request of ``rounded`` bytes would reuse a cached block (no new segment)."""
@@ -102,15 +125,17 @@ class CachingAllocator:
     def malloc_rounded(self, rounded: int, small: bool) -> _Block:
         items = self.free_lists[small]
         index = bisect.bisect_left(items, (rounded, -1, -1))
-        if index == len(items):
+        if not self._usable(items, index, rounded):
             self._new_segment(segment_size(rounded), small)
-            index = bisect.bisect_left(items, (rounded, -1, -1))
+            # the new segment is the only block of its size and id: find it exactly
+            key = (segment_size(rounded), self.next_segment - 1, 0)
+            index = bisect.bisect_left(items, key)
         _, segment, offset = items[index]
         block = self.blocks[(segment, offset)]
         del items[index]
         block.free = False
         remaining = block.size - rounded
-        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+        if self.splits(rounded, remaining, small):
             rest = _Block(segment, offset + rounded, remaining, True, block, block.next)
             if block.next is not None:
                 block.next.prev = rest
@@ -121,6 +146,48 @@ class CachingAllocator:
         self.allocated += block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
+        return block
+
+    def add_segment(self, nbytes: int, small: bool) -> int:
+        """A segment that already exists (a recorded starting state): all free, no OOM
+        check.  Returns its id; ids grow, and ties in best fit go to the lower id."""
+        segment = self.next_segment
+        self.next_segment += 1
+        self.segment_sizes[segment] = (nbytes, small)
+        block = _Block(segment, 0, nbytes, True)
+        self.blocks[(segment, 0)] = block
+        self._insert_free(block, small)
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return segment
+
+    def place(self, segment: int, offset: int, size: int) -> _Block:
+        """Mark ``size`` bytes at ``offset`` of ``segment`` allocated (a block alive when the
+        recorded state begins), carving it out of the free block that covers it."""
+        small = self.segment_sizes[segment][1]
+        start = max(o for (s, o), b in self.blocks.items()
+                    if s == segment and o <= offset and b.free and o + b.size >= offset + size)
+        block = self.blocks[(segment, start)]
+        self._remove_free(block, small)
+        if start < offset:  # the free part before it stays free
+            head_size = offset - start
+            tail = _Block(segment, offset, block.size - head_size, False, block, block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next, block.size = tail, head_size
+            self.blocks[(segment, offset)] = tail
+            self._insert_free(block, small)
+            block = tail
+        if block.size > size:
+            rest = _Block(segment, offset + size, block.size - size, True, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self.blocks[(segment, rest.offset)] = rest
+            self._insert_free(rest, small)
+        block.free = False
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
 
     def _new_segment(self, nbytes: int, small: bool):
@@ -171,7 +238,7 @@ class CachingAllocator:
 
 def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
            expandable_segments: bool = False, stop_above_bytes: int = 0,
-           native: bool = True) -> AllocatorResult:
+           native: bool = True, config: AllocatorConfig | None = None) -> AllocatorResult:
     """Run an allocation stream (``replay.replay_events``) through the allocator model.
 
     An allocation freed by the very next event (a kernel's temporary) is a query, not a
@@ -180,13 +247,21 @@ def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
     ``stop_above_bytes``: stop as soon as reserved memory exceeds it (the caller only needs
     to know the plan does not fit); the result then has ``complete`` False.
     ``native``: run the compiled loop (``native_allocator``) when it loads; the Python
-    loop below is the reference it must equal (``native=False`` runs it)."""
-    if expandable_segments:
+    loop below is the reference it must equal (``native=False`` runs it).
+    ``config``: allocator settings (``allocator_config``); other than the defaults, the
+    Python loop runs (the compiled one knows the default rules only)."""
+    config = config or AllocatorConfig()
+    if expandable_segments or config.expandable_segments:
         return _expandable(signed_sizes)
-    allocator = CachingAllocator(capacity_bytes)
+    allocator = CachingAllocator(capacity_bytes, config)
     live: dict[int, _Block] = {}
     magnitude = np.abs(signed_sizes).round().astype(np.int64)
-    rounded = np.where(magnitude < MIN_BLOCK, MIN_BLOCK, -(-magnitude // MIN_BLOCK) * MIN_BLOCK)
+    if config.default_rules:
+        rounded = np.where(magnitude < MIN_BLOCK, MIN_BLOCK,
+                           -(-magnitude // MIN_BLOCK) * MIN_BLOCK)
+    else:
+        native = False
+        rounded = np.array([config.round_size(int(m)) for m in magnitude], dtype=np.int64)
     is_alloc = signed_sizes > 0
     # kind per event: 0 free, 1 alloc, 2 alloc freed by the next event (the free is dropped)
     kind = is_alloc.astype(np.int8)
@@ -214,13 +289,13 @@ def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
             continue
         if what == 2:
             items = free_lists[small]
-            if items and items[-1][0] >= size:
+            if items and items[-1][0] >= size and allocator._usable(
+                    items, bisect.bisect_left(items, (size, -1, -1)), size):
                 # best fit, split, free, merge: the free lists end as they began
                 if allocator.allocated + items[-1][0] > allocator.peak_allocated:
                     block_size = items[bisect.bisect_left(items, (size, -1, -1))][0]
                     remaining = block_size - size
-                    taken = size if ((small and remaining >= MIN_BLOCK)
-                                     or (not small and remaining > SMALL_SIZE)) else block_size
+                    taken = size if allocator.splits(size, remaining, small) else block_size
                     if allocator.allocated + taken > allocator.peak_allocated:
                         allocator.peak_allocated = allocator.allocated + taken
                 continue

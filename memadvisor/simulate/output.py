@@ -41,9 +41,21 @@ def prediction_dict(base: Baseline, prediction: Prediction, hw: Hardware) -> dic
     }
 
 
+def baseline_on_target(base: Baseline, hw: Hardware) -> int:
+    """The unmodified script's peak on ``hw``: the recorded peak where the trace was
+    recorded on that kind of device, else the identity plan simulated on it (a CPU trace on
+    a GPU target gains what only the GPU allocates, e.g. cuBLAS's workspaces)."""
+    if hw.device_type == base.device_type:
+        return base.peak.bytes
+    from ..plan import Plan
+    from .simulator import simulate
+    return simulate(base, Plan(), hw, run_allocator=False, categories=False).peak_bytes
+
+
 def simulate_dict(base: Baseline, prediction: Prediction, hw: Hardware) -> dict:
     out = prediction_dict(base, prediction, hw)
-    out["baseline_peak_bytes"] = base.peak.bytes
+    out["baseline_peak_bytes"] = baseline_on_target(base, hw)
+    out["recorded_peak_bytes"] = base.peak.bytes
     out["baseline_by_category"] = base.peak.by_category
     out["warnings"] = base.warnings
     out["hardware_description"] = hw.describe()
@@ -88,7 +100,8 @@ def advise_dict(base: Baseline, result: SearchResult, hw: Hardware) -> dict:
         "budget_bytes": result.budget_bytes,
         "usable_bytes": result.usable_bytes,
         "hardware": hw.describe(),
-        "baseline_peak_bytes": base.peak.bytes,
+        "baseline_peak_bytes": baseline_on_target(base, hw),
+        "recorded_peak_bytes": base.peak.bytes,
         "evaluated": result.evaluated,
         "rejected": len(result.rejected),
         "over_budget": len(result.too_big),

@@ -17,6 +17,7 @@ segment out ``accum`` times, copying what 1-6 added inside it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,7 @@ from .batch import RESIZE_OP, mark_batch_scaling, parameter_shapes, scale_batch
 from .checkpoint import apply_checkpoint
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
                    work_profile)
-from .hardware import Hardware, device_rules, hardware
+from .hardware import Hardware, cublas_workspace_bytes, device_rules, hardware
 from .bounds import LayoutBounds
 from .loop import hoisted_zero_grad, rewrites_loop
 from .offload import apply_offload, offload_activations, saved_activation_bytes
@@ -135,6 +136,7 @@ def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
             cache[key] = timeline
     timeline = apply_optimizer_swap(timeline, plan.optimizer)
     timeline = _device_optimizer_rules(timeline, base, hw, plan)
+    timeline = _cublas_workspaces(timeline, hw)
     if plan.shard in FSDP_SHARDS:
         timeline = fsdp_layout(timeline, base.blocks)
     return timeline
@@ -184,7 +186,7 @@ def _regions(base: Baseline, plan: Plan, cache: dict | None) -> list[str]:
 def _layout_key(regions: list[str], plan: Plan, hw: Hardware) -> tuple:
     """What fixes a plan's lifetimes: ``transform``'s cache key plus activation offload."""
     return (tuple(regions), plan.precision, plan.optimizer, "optimizer" in plan.offload,
-            hw.device_type, rewrites_loop(plan), plan.shard in FSDP_SHARDS,
+            hw.device_type, hw.name, rewrites_loop(plan), plan.shard in FSDP_SHARDS,
             "activations" in plan.offload)
 
 
@@ -292,6 +294,29 @@ def _add_persistent(timeline: Timeline, nbytes: int, category: str) -> Timeline:
     return timeline.appended({"size": np.array([float(nbytes)]), "alloc_key": np.array([-1.0]),
                               "free_key": np.array([float(timeline.n_events)]),
                               "category": np.array([CATEGORY_CODE[category]], np.int8)})
+
+
+#: ops that run on cuBLAS on a CUDA target (and so make its thread's workspace)
+CUBLAS_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                        "aten::addbmm", "aten::matmul", "aten::linear", "aten::addmv",
+                        "aten::mv", "aten::_scaled_mm"})
+
+
+def _cublas_workspaces(timeline: Timeline, hw: Hardware) -> Timeline:
+    """cuBLAS's workspace on a CUDA target: one caching-allocator block per thread that
+    runs a matmul -- the forward's (main) thread and autograd's backward thread -- made
+    on its first matmul and kept for the life of the process (hardware.
+    cublas_workspace_bytes; CUBLAS_WORKSPACE_CONFIG overrides the size).  A trace recorded
+    on a GPU holds them already (``cublas_workspace`` rows): nothing is added then."""
+    if hw.device_type != "cuda" or "cublas_workspace" in timeline.ops:
+        return timeline
+    matmuls = timeline.op_in(CUBLAS_OPS)
+    threads = sum(bool((matmuls & (timeline.phase == PHASE_CODE[phase])).any())
+                  for phase in (schema.FORWARD, schema.BACKWARD))
+    nbytes = cublas_workspace_bytes(hw, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    for _ in range(threads):
+        timeline = _add_persistent(timeline, nbytes, schema.OTHER)
+    return timeline
 
 
 def _device_optimizer_rules(timeline: Timeline, base: Baseline, hw: Hardware,

@@ -12,8 +12,18 @@ from . import schema
 from .io import Trace
 
 
-def signed_sizes(events: pd.DataFrame) -> np.ndarray:
+def counted_bytes(events: pd.DataFrame) -> np.ndarray:
+    """Bytes each row counts toward live memory: the allocator's block where one said
+    (a CUDA trace: what ``max_memory_allocated`` counts), else the storage's bytes."""
     sizes = events["size_bytes"].to_numpy(dtype=np.int64)
+    if "block_bytes" not in events:
+        return sizes
+    blocks = events["block_bytes"].to_numpy(dtype=np.int64)
+    return np.where(blocks > 0, blocks, sizes)
+
+
+def signed_sizes(events: pd.DataFrame) -> np.ndarray:
+    sizes = counted_bytes(events)
     is_alloc = (events["action"] == schema.ALLOC).to_numpy()
     return np.where(is_alloc, sizes, -sizes)
 
@@ -76,8 +86,16 @@ def category_series(events: pd.DataFrame, category: str) -> np.ndarray:
     return np.cumsum(np.where(mask, signed_sizes(events), 0))
 
 
+def bytes_by(frame: pd.DataFrame, keys, aggregations=("sum",)) -> pd.DataFrame:
+    """Counted bytes (``counted_bytes``) grouped by ``keys``: one column per aggregation."""
+    counted = pd.Series(counted_bytes(frame), index=frame.index, name="bytes")
+    groups = counted.groupby([frame[k] for k in ([keys] if isinstance(keys, str) else keys)],
+                             observed=True)
+    return groups.agg(list(aggregations))
+
+
 def by_category(alive: pd.DataFrame) -> dict[str, int]:
-    sums = alive.groupby("category", observed=True)["size_bytes"].sum()
+    sums = bytes_by(alive, "category")["sum"]
     return {c: int(sums.get(c, 0)) for c in schema.CATEGORIES if int(sums.get(c, 0))}
 
 

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .schema import (
-    COLUMNS, COLUMN_NAMES, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY, TraceMeta,
+    COLUMNS, COLUMN_NAMES, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY, OPTIONAL_ZERO_COLUMNS,
+    TraceMeta,
 )
 
 
@@ -45,16 +47,27 @@ def _arrow_array(name: str, values: Sequence[Any]) -> pa.Array:
 
 
 def events_table(columns: Mapping[str, Sequence[Any]]) -> pa.Table:
-    """Build the events table from plain per-column sequences (all columns required)."""
-    missing = [c for c in COLUMN_NAMES if c not in columns]
+    """Build the events table from plain per-column sequences (all columns required but
+    the allocator's, ``OPTIONAL_ZERO_COLUMNS``, which default to 0)."""
+    missing = [c for c in COLUMN_NAMES if c not in columns and c not in OPTIONAL_ZERO_COLUMNS]
     if missing:
         raise ValueError(f"event columns missing: {', '.join(missing)}")
-    return pa.table({name: _arrow_array(name, columns[name]) for name in COLUMN_NAMES})
+    rows = len(columns["seq"])
+
+    def values(name):
+        given = columns.get(name)
+        if name in OPTIONAL_ZERO_COLUMNS and (given is None or (rows and not len(given))):
+            return np.zeros(rows, dtype=np.int64)
+        return given
+    return pa.table({name: _arrow_array(name, values(name)) for name in COLUMN_NAMES})
 
 
 def _table_from_frame(events: pd.DataFrame) -> pa.Table:
     arrays = {}
     for name in COLUMN_NAMES:
+        if name not in events and name in OPTIONAL_ZERO_COLUMNS:
+            arrays[name] = pa.array(np.zeros(len(events), dtype=np.int64))
+            continue
         column = events[name]
         if COLUMNS[name][0] == "dict":
             arrays[name] = pa.array(column.astype(str), type=pa.string()).dictionary_encode()
@@ -95,6 +108,10 @@ def read_trace(path: str | os.PathLike) -> Trace:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{path}: trace file is damaged ({_first_line(exc)})") from None
+    for name in OPTIONAL_ZERO_COLUMNS:
+        # format 1 had no allocator columns: nothing was known about blocks
+        if name not in table.column_names:
+            table = table.append_column(name, pa.array(np.zeros(len(table), dtype=np.int64)))
     missing = [c for c in COLUMN_NAMES if c not in table.column_names]
     if missing:
         raise TraceError(f"{path}: trace lacks columns {', '.join(missing)}")
@@ -144,8 +161,9 @@ def _meta_from_schema(path: Path, schema: pa.Schema) -> TraceMeta:
 
 
 def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """Adapt metadata of older format versions to the current one (none yet: v1 is first)."""
-    return data
+    """Adapt metadata of older format versions to the current one (format 2 only added
+    event columns, filled in ``read_trace``)."""
+    return {**data, "format_version": FORMAT_VERSION}
 
 
 def _first_line(exc: BaseException) -> str:

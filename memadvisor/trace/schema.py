@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, asdict
 from typing import Any
 
 FORMAT_NAME = "memadvisor-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  #: 2 added block_bytes, stream, address (CUDA allocator facts)
 #: key of the JSON metadata document inside the Parquet file's key-value metadata
 METADATA_KEY = b"memadvisor"
 
@@ -73,8 +73,16 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "source_file": ("dict", "innermost user-code file at allocation ('' if none)"),
     "source_line": ("int32", "line number in source_file (0 if none)"),
     "source_function": ("dict", "function name in source_file"),
+    # --- format 2: what a CUDA caching allocator reports about the block (0 = not known)
+    "block_bytes": ("int64", "the allocator's block size holding the storage (the request "
+                             "rounded, or a whole unsplit free block), as "
+                             "max_memory_allocated counts it; 0 where no allocator said"),
+    "stream": ("int64", "CUDA stream the block belongs to (its pool); 0 = default stream"),
+    "address": ("int64", "device address of the block; 0 where not recorded"),
 }
 COLUMN_NAMES = tuple(COLUMNS)
+#: columns a writer may leave out (filled with 0) and a format-1 file lacks
+OPTIONAL_ZERO_COLUMNS = ("block_bytes", "stream", "address")
 
 
 @dataclass

@@ -12,6 +12,8 @@ The keys of ``summarize()``'s result are a documented, stable interface (``--jso
 - ``top_sites``: up to 10 allocation sites alive at the peak, largest first, each with
   ``source_file``, ``source_line``, ``source_function``, ``op``, ``module``, ``category``,
   ``bytes``, ``count``
+- ``reserved_bytes``, ``segments``: the CUDA caching allocator's peak reserved bytes and
+  its segment count where one reported them (None otherwise)
 - ``top_activation_modules``: modules by activation bytes alive when activations peak
 - ``status``, ``error``, ``steps_completed``, ``device``, ``script``, ``events``
 """
@@ -64,7 +66,20 @@ def summarize(trace: Trace, top: int = TOP_SITES, *, live=None, lives=None) -> d
         "optimizer_state_bytes": at_peak["optimizer_state_bytes"],
         "top_sites": at_peak["top_sites"],
         "top_activation_modules": at_peak["top_activation_modules"],
+        **allocator_figures(meta, step),
     }
+
+
+def allocator_figures(meta, step: int | None) -> dict[str, Any]:
+    """What a CUDA caching allocator itself reported (None where no allocator did): peak
+    reserved bytes and segments, from an imported snapshot or a run's per-step stats."""
+    allocator = meta.allocator or {}
+    reserved = allocator.get("peak_reserved_bytes")
+    if reserved is None:
+        by_step = {s.get("index"): s.get("cuda_max_reserved_bytes") for s in meta.steps}
+        reserved = by_step.get(step)
+    return {"reserved_bytes": None if reserved is None else int(reserved),
+            "segments": allocator.get("segments")}
 
 
 def peak_sites(events, live, lives, step: int | None, top: int = TOP_SITES) -> dict[str, Any]:
@@ -96,7 +111,7 @@ def _top_sites(alive, top: int) -> list[dict[str, Any]]:
     if alive.empty:
         return []
     keys = ["source_file", "source_line", "source_function", "op", "module", "category"]
-    groups = (alive.groupby(keys, observed=True)["size_bytes"].agg(["sum", "count"])
+    groups = (analysis.bytes_by(alive, keys, ("sum", "count"))
               .reset_index().sort_values("sum", ascending=False, kind="stable").head(top))
     return [{"source_file": str(r.source_file), "source_line": int(r.source_line),
              "source_function": str(r.source_function), "op": str(r.op),
@@ -111,7 +126,7 @@ def _activation_modules(events, lives, window: slice) -> list[dict[str, Any]]:
         return []
     alive = analysis.alive_at(lives, position)
     alive = alive[alive["category"] == schema.ACTIVATION]
-    sums = alive.groupby("module", observed=True)["size_bytes"].sum().sort_values(
+    sums = analysis.bytes_by(alive, "module")["sum"].sort_values(
         ascending=False, kind="stable").head(TOP_MODULES)
     return [{"module": str(m) or "(top level)", "bytes": int(b)} for m, b in sums.items()
             if b > 0]
@@ -133,6 +148,10 @@ def summary_text(summary: dict[str, Any]) -> str:
     lines.append(f"peak: {fb(summary['peak_bytes'])} in {step_text}, during "
                  f"{where.get('phase', '?')} in {where.get('module') or '(top level)'} "
                  f"at {where.get('op') or '?'}")
+    if summary.get("reserved_bytes") is not None:
+        segments = f" in {summary['segments']:,} segments" if summary.get("segments") else ""
+        lines.append(f"reserved by the CUDA caching allocator: {fb(summary['reserved_bytes'])}"
+                     f"{segments} (peak)")
     lines.append("")
     lines.append("at the peak, by category:")
     total = max(summary["peak_bytes"], 1)

@@ -80,5 +80,9 @@ def test_every_plan_is_predicted(resized_base, spec):
 
 
 def test_advise_runs(resized_base):
-    result = advise(resized_base, hardware("h100"), 8 * resized_base.peak.bytes, 2)
+    from memadvisor.simulate.hardware import cublas_workspace_bytes
+    h100 = hardware("h100")
+    # the two cuBLAS workspaces (32 MiB each on an H100) come on top of the tiny model
+    result = advise(resized_base, h100, 8 * resized_base.peak.bytes
+                    + 2 * cublas_workspace_bytes(h100), 2)
     assert result.ranked

@@ -54,6 +54,10 @@ def synthetic_columns(n: int, seed: int = 0) -> dict[str, object]:
         "source_file": pick(["/home/u/train.py", "", "/home/u/model.py"]),
         "source_line": rng.integers(0, 500, len(sids)).astype(np.int32),
         "source_function": pick(["forward", "<module>", "main", ""]),
+        "block_bytes": np.where(rng.random(len(sids)) < 0.5, 0,
+                                sizes_by_sid[sids] + 511).astype(np.int64),
+        "stream": rng.integers(0, 3, len(sids)).astype(np.int64),
+        "address": rng.integers(0, 1 << 45, len(sids)).astype(np.int64),
     }
 
 
@@ -287,3 +291,36 @@ def test_reading_a_trace_imports_no_torch(small_trace):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# --- format 1 ---------------------------------------------------------------------------
+def test_format_1_file_reads_with_zero_allocator_columns(tmp_path):
+    """A trace written before the allocator columns existed loads: blocks not known (0),
+    so every reader counts the storage's bytes as before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from memadvisor.trace import analysis
+    from memadvisor.trace.schema import OPTIONAL_ZERO_COLUMNS
+
+    path = tmp_path / "v1.trace"
+    write_trace(path, events_table(synthetic_columns(200)), synthetic_meta())
+    table = pq.read_table(path)
+    old = table.drop_columns(list(OPTIONAL_ZERO_COLUMNS))
+    data = json.loads(table.schema.metadata[METADATA_KEY])
+    data["format_version"] = 1
+    pq.write_table(old.replace_schema_metadata({METADATA_KEY: json.dumps(data)}), path)
+    trace = read_trace(path)
+    assert trace.meta.format_version == FORMAT_VERSION
+    for name in OPTIONAL_ZERO_COLUMNS:
+        assert (trace.events[name] == 0).all()
+    assert list(analysis.counted_bytes(trace.events)) == list(trace.events["size_bytes"])
+
+
+def test_block_bytes_count_where_known():
+    """A CUDA trace's peak counts the allocator's blocks, as max_memory_allocated does."""
+    import pandas as pd
+    from memadvisor.trace import analysis
+    events = pd.DataFrame({"action": ["alloc", "alloc", "free", "free"],
+                           "size_bytes": [100, 3000, 100, 3000],
+                           "block_bytes": [512, 0, 512, 0]})
+    assert list(analysis.live_bytes(events)) == [512, 3512, 3000, 0]
