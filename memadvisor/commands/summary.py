@@ -1,4 +1,4 @@
-"""`memadvisor summary TRACE [--json]`"""
+"""`memadvisor summary TRACE [--json] [--gpu NAME | --device-memory SIZE]`"""
 from __future__ import annotations
 
 import json
@@ -12,16 +12,56 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=1),
               help="How many allocation sites to list.")
-def command(trace_path, as_json, top):
-    """What fills memory at the peak of the last complete step, and which line made it."""
+@click.option("--gpu", default=None,
+              help="Check the run against this GPU's memory (e.g. a100-40gb): where it runs "
+                   "out, what was live, and a plan that fits.")
+@click.option("--device-memory", "device_memory", default=None,
+              help="Check the run against a device of this many bytes (e.g. 24GiB).")
+def command(trace_path, as_json, top, gpu, device_memory):
+    """What fills memory at the peak of the last complete step, and which line made it.
+
+    With --gpu or --device-memory (or for a snapshot whose allocator ran out of memory):
+    an out-of-memory post-mortem -- the failing request, what was live by category and
+    source line, how much reserved memory was cached but free, and a plan that fits.
+    """
+    from ..errors import UserError
     from ..trace.io import read_trace
     from ..trace.summary import shorten_paths, summarize, summary_text
 
+    if gpu and device_memory:
+        raise UserError("give --gpu or --device-memory, not both")
     trace = read_trace(trace_path)
     summary = summarize(trace, top=top)
+    oom = _post_mortem(trace, gpu, device_memory)
+    summary["out_of_memory"] = None if oom is None else oom.to_dict()
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
         shorten_paths(summary, os.getcwd())
         click.echo(summary_text(summary))
+        if oom is not None:
+            from ..simulate.oom import post_mortem_text
+            click.echo("\n" + post_mortem_text(oom))
+        elif gpu or device_memory:
+            click.echo("\nfits: the allocator model never needs more than the device holds")
     return 0
+
+
+def _post_mortem(trace, gpu, device_memory):
+    """The out-of-memory post-mortem where one is asked for or the trace recorded one."""
+    recorded = (trace.meta.allocator or {}).get("oom_events")
+    if not (gpu or device_memory or recorded):
+        return None
+    from ..simulate.hardware import hardware
+    from ..simulate.oom import post_mortem
+    from ..units import parse_bytes
+
+    hw = hardware(gpu, trace.meta.device) if gpu else None
+    if device_memory:
+        capacity = parse_bytes(device_memory)
+    elif hw is not None:
+        capacity = hw.memory_bytes
+    else:  # a recorded OOM with no device named: what the allocator held plus what was free
+        _, requested, free = recorded[0]
+        capacity = int((trace.meta.allocator or {}).get("peak_reserved_bytes", 0)) + int(free)
+    return post_mortem(trace, capacity, hw=hw)

@@ -9,7 +9,7 @@ native shim before torch is imported.
 """
 from __future__ import annotations
 
-from .gpus import GPUS, GpuProfile, gpu_profile
+from ..gpus import GPUS, GpuProfile, gpu_profile
 
 
 def preload(device_count: int = 1):

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from .gpus import GpuProfile
+from ..gpus import GpuProfile
 from .memory import MemoryStats
 from .patching import Patches
 

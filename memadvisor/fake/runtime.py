@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import shim as shim_module
-from .gpus import GpuProfile, gpu_profile
+from ..gpus import GpuProfile, gpu_profile
 
 _active_lock = threading.Lock()
 

@@ -136,17 +136,22 @@ class CachingAllocator:
         block.free = False
         remaining = block.size - rounded
         if self.splits(rounded, remaining, small):
-            rest = _Block(segment, offset + rounded, remaining, True, block, block.next)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = rounded
-            self.blocks[(segment, rest.offset)] = rest
+            rest = self._cut(block, rounded, True)
             bisect.insort(items, (remaining, segment, rest.offset))
         self.allocated += block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
         return block
+
+    def _cut(self, block: _Block, size: int, rest_free: bool) -> _Block:
+        """Split ``block`` after ``size`` bytes; returns the second part (not in a free list)."""
+        rest = _Block(block.segment, block.offset + size, block.size - size, rest_free, block,
+                      block.next)
+        if block.next is not None:
+            block.next.prev = rest
+        block.next, block.size = rest, size
+        self.blocks[(block.segment, rest.offset)] = rest
+        return rest
 
     def add_segment(self, nbytes: int, small: bool) -> int:
         """A segment that already exists (a recorded starting state): all free, no OOM
@@ -170,21 +175,11 @@ class CachingAllocator:
         block = self.blocks[(segment, start)]
         self._remove_free(block, small)
         if start < offset:  # the free part before it stays free
-            head_size = offset - start
-            tail = _Block(segment, offset, block.size - head_size, False, block, block.next)
-            if block.next is not None:
-                block.next.prev = tail
-            block.next, block.size = tail, head_size
-            self.blocks[(segment, offset)] = tail
+            tail = self._cut(block, offset - start, False)
             self._insert_free(block, small)
             block = tail
         if block.size > size:
-            rest = _Block(segment, offset + size, block.size - size, True, block, block.next)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, size
-            self.blocks[(segment, rest.offset)] = rest
-            self._insert_free(rest, small)
+            self._insert_free(self._cut(block, size, True), small)
         block.free = False
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -195,14 +190,7 @@ class CachingAllocator:
             self._release_free_segments()
             if self.reserved + nbytes > self.capacity:
                 self.out_of_memory = True
-        segment = self.next_segment
-        self.next_segment += 1
-        self.segment_sizes[segment] = (nbytes, small)
-        block = _Block(segment, 0, nbytes, True)
-        self.blocks[(segment, 0)] = block
-        self._insert_free(block, small)
-        self.reserved += nbytes
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.add_segment(nbytes, small)
 
     def _release_free_segments(self):
         for segment, (nbytes, small) in list(self.segment_sizes.items()):

@@ -12,9 +12,9 @@ validated on a GPU is added in one place.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .. import gpus
 from ..errors import UserError
 
 GiB = 1024**3
@@ -35,7 +35,8 @@ class Hardware:
     interconnect_bytes_s: float  #: per-GPU bandwidth to the other GPUs (NVLink or PCIe)
     host_link_bytes_s: float  #: GPU <-> host (PCIe), each direction
     host_adam_params_s: float = 1.0e9  #: parameters/s a host (CPU) Adam step updates
-    compute_capability: tuple[int, int] = (0, 0)  #: (major, minor); (0, 0) for the CPU
+    #: (major, minor) from ``memadvisor.gpus``; (0, 0) for the CPU
+    compute_capability: tuple[int, int] = (0, 0)
 
     def describe(self) -> str:
         if self.device_type == "cpu":
@@ -48,52 +49,57 @@ class Hardware:
                 f"{self.host_link_bytes_s / 1e9:.0f} GB/s")
 
 
+#: throughputs per GPU; memory and compute capability come from ``memadvisor.gpus``
+#: (``_with_identity``), the one table of what each device is
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
-    Hardware(name="h100-80gb", device_type="cuda", memory_bytes=80 * GiB, bf16=True, fp16=True,
+    Hardware(name="h100-80gb", device_type="cuda", memory_bytes=0, bf16=True, fp16=True,
              fp32_flops=67e12, bf16_flops=989e12, memory_bandwidth_bytes_s=3.35e12,
-             interconnect_bytes_s=450e9, host_link_bytes_s=64e9,
-             compute_capability=(9, 0)),
-    Hardware(name="h200-141gb", device_type="cuda", memory_bytes=141 * GiB, bf16=True,
+             interconnect_bytes_s=450e9, host_link_bytes_s=64e9),
+    Hardware(name="h200-141gb", device_type="cuda", memory_bytes=0, bf16=True,
              fp16=True, fp32_flops=67e12, bf16_flops=989e12,
              memory_bandwidth_bytes_s=4.8e12, interconnect_bytes_s=450e9,
-             host_link_bytes_s=64e9,
-             compute_capability=(9, 0)),
-    Hardware(name="a100-80gb", device_type="cuda", memory_bytes=80 * GiB, bf16=True, fp16=True,
+             host_link_bytes_s=64e9),
+    Hardware(name="a100-80gb", device_type="cuda", memory_bytes=0, bf16=True, fp16=True,
              fp32_flops=19.5e12, bf16_flops=312e12, memory_bandwidth_bytes_s=2.0e12,
-             interconnect_bytes_s=300e9, host_link_bytes_s=32e9,
-             compute_capability=(8, 0)),
-    Hardware(name="a100-40gb", device_type="cuda", memory_bytes=40 * GiB, bf16=True, fp16=True,
+             interconnect_bytes_s=300e9, host_link_bytes_s=32e9),
+    Hardware(name="a100-40gb", device_type="cuda", memory_bytes=0, bf16=True, fp16=True,
              fp32_flops=19.5e12, bf16_flops=312e12, memory_bandwidth_bytes_s=1.56e12,
-             interconnect_bytes_s=300e9, host_link_bytes_s=32e9,
-             compute_capability=(8, 0)),
-    Hardware(name="l4-24gb", device_type="cuda", memory_bytes=24 * GiB, bf16=True, fp16=True,
+             interconnect_bytes_s=300e9, host_link_bytes_s=32e9),
+    Hardware(name="l4-24gb", device_type="cuda", memory_bytes=0, bf16=True, fp16=True,
              fp32_flops=30e12, bf16_flops=121e12, memory_bandwidth_bytes_s=0.3e12,
-             interconnect_bytes_s=32e9, host_link_bytes_s=32e9,
-             compute_capability=(8, 9)),
-    Hardware(name="a10g-24gb", device_type="cuda", memory_bytes=24 * GiB, bf16=True, fp16=True,
+             interconnect_bytes_s=32e9, host_link_bytes_s=32e9),
+    Hardware(name="a10g-24gb", device_type="cuda", memory_bytes=0, bf16=True, fp16=True,
              fp32_flops=31e12, bf16_flops=125e12, memory_bandwidth_bytes_s=0.6e12,
-             interconnect_bytes_s=32e9, host_link_bytes_s=32e9,
-             compute_capability=(8, 6)),
-    Hardware(name="rtx4090-24gb", device_type="cuda", memory_bytes=24 * GiB, bf16=True,
+             interconnect_bytes_s=32e9, host_link_bytes_s=32e9),
+    Hardware(name="rtx4090-24gb", device_type="cuda", memory_bytes=0, bf16=True,
              fp16=True, fp32_flops=82e12, bf16_flops=165e12,
              memory_bandwidth_bytes_s=1.0e12, interconnect_bytes_s=32e9,
-             host_link_bytes_s=32e9,
-             compute_capability=(8, 9)),
-    Hardware(name="v100-32gb", device_type="cuda", memory_bytes=32 * GiB, bf16=False,
+             host_link_bytes_s=32e9),
+    Hardware(name="v100-32gb", device_type="cuda", memory_bytes=0, bf16=False,
              fp16=True, fp32_flops=15.7e12, bf16_flops=125e12,
              memory_bandwidth_bytes_s=0.9e12, interconnect_bytes_s=150e9,
-             host_link_bytes_s=16e9,
-             compute_capability=(7, 0)),
-    Hardware(name="t4-16gb", device_type="cuda", memory_bytes=16 * GiB, bf16=False, fp16=True,
+             host_link_bytes_s=16e9),
+    Hardware(name="t4-16gb", device_type="cuda", memory_bytes=0, bf16=False, fp16=True,
              fp32_flops=8.1e12, bf16_flops=65e12, memory_bandwidth_bytes_s=0.32e12,
-             interconnect_bytes_s=16e9, host_link_bytes_s=16e9,
-             compute_capability=(7, 5)),
+             interconnect_bytes_s=16e9, host_link_bytes_s=16e9),
     # the recording CPU: memory unknown (the budget decides), throughputs nominal; the
     # cost model measures CPU speed from the trace's own step time instead
     Hardware(name="cpu", device_type="cpu", memory_bytes=0, bf16=True, fp16=False,
              fp32_flops=1e11, bf16_flops=1e11, memory_bandwidth_bytes_s=50e9,
              interconnect_bytes_s=5e9, host_link_bytes_s=50e9),
 )}
+
+def _with_identity(profile: Hardware) -> Hardware:
+    """Memory and compute capability from the one GPU table (``memadvisor.gpus``): the
+    device's usable bytes (``total_memory``), not its marketing size."""
+    identity = gpus.GPUS.get(profile.name)
+    if identity is None:
+        return profile
+    return replace(profile, memory_bytes=identity.total_memory_bytes,
+                   compute_capability=identity.capability)
+
+
+PROFILES = {name: _with_identity(profile) for name, profile in PROFILES.items()}
 
 ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb", "l4": "l4-24gb",
            "a10g": "a10g-24gb", "4090": "rtx4090-24gb", "v100": "v100-32gb", "t4": "t4-16gb"}
@@ -109,25 +115,12 @@ def hardware(name: str | None, trace_device: str = "cpu") -> Hardware:
     return PROFILES[key]
 
 
-#: cuBLAS's default workspace per (handle, stream), CublasHandlePool.cpp (torch 2.6-2.13):
-#: ":4096:8" (32 MiB) on compute capability 9.x/10.x/12.x, else ":4096:2:16:8"
-#: (8,519,680 B).  Allocated through the caching allocator on a thread's first matmul and
-#: kept: the real traces in ../shared/gpu-truth show one from the forward (main) thread
-#: and one from autograd's backward thread, at these sizes.
-CUBLAS_WORKSPACE_CONFIG_DEFAULT = {True: ":4096:8", False: ":4096:2:16:8"}
-
-
 def cublas_workspace_bytes(hw: Hardware, config: str | None = None) -> int:
-    """Bytes of one cuBLAS workspace on ``hw``; ``config`` is a CUBLAS_WORKSPACE_CONFIG
-    value (":SIZE_KiB:COUNT" pairs) overriding the default, as torch reads it."""
+    """Bytes of one cuBLAS workspace on ``hw`` (``gpus.cublas_workspace_bytes``; ``config``
+    a CUBLAS_WORKSPACE_CONFIG value); 0 on the CPU."""
     if hw.device_type != "cuda":
         return 0
-    text = config or CUBLAS_WORKSPACE_CONFIG_DEFAULT[hw.compute_capability[0] in (9, 10, 12)]
-    pairs = re.findall(r":(\d+):(\d+)", text)
-    if not pairs:
-        raise UserError(f"CUBLAS_WORKSPACE_CONFIG={text!r}: expected ':SIZE_KiB:COUNT' pairs, "
-                        "e.g. ':4096:8'")
-    return sum(int(size_kib) * 1024 * int(count) for size_kib, count in pairs)
+    return gpus.cublas_workspace_bytes(hw.compute_capability, config)
 
 
 # --- device-dependent rules (target device type -> rule) -----------------------------------

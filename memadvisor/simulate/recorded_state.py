@@ -90,3 +90,48 @@ def replay_recorded(trace: Trace, cold_start: bool = False) -> RecordedReplay:
         recorded_peak_allocated_bytes=int(np.cumsum(signed).max()) if len(signed) else 0,
         modelled_peak_allocated_bytes=model.peak_allocated,
         requests=requests)
+
+
+@dataclass
+class ModelledRun:
+    """A whole trace's requests through the allocator model from a fresh process."""
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    segments: int
+    #: per step index: (peak allocated, peak reserved) while that step's events ran
+    steps: dict
+
+
+def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0) -> ModelledRun:
+    """Replay every request of ``trace`` in order, from nothing cached (a fresh process:
+    a profile of the whole run, warm-up steps included, as fake execution records it), and
+    keep each step's peaks -- what ``max_memory_allocated``/``max_memory_reserved`` would
+    say after a ``reset_peak_memory_stats`` at the step's start (reserved never shrinks,
+    so a step's peak reserved includes what earlier steps left cached)."""
+    model = CachingAllocator(capacity_bytes, config)
+    events = trace.events
+    actions = (events["action"] == schema.ALLOC).to_numpy()
+    sids = events["storage_id"].to_numpy()
+    requested = events["size_bytes"].to_numpy()
+    step_of = events["step"].to_numpy()
+    live, steps = {}, {}
+    current, step_allocated, step_reserved = None, 0, 0
+    for row in range(len(events)):
+        if step_of[row] != current:
+            if current is not None:
+                steps[int(current)] = (step_allocated, step_reserved)
+            current = step_of[row]
+            step_allocated, step_reserved = model.allocated, model.reserved
+        if actions[row]:
+            live[sids[row]] = model.malloc(int(requested[row]))
+        else:
+            block = live.pop(sids[row], None)
+            if block is not None:
+                model.free(block)
+        step_allocated = max(step_allocated, model.allocated)
+        step_reserved = max(step_reserved, model.reserved)
+    if current is not None:
+        steps[int(current)] = (step_allocated, step_reserved)
+    return ModelledRun(model.peak_allocated, model.peak_reserved, len(model.segment_sizes),
+                       steps)

@@ -196,6 +196,9 @@ def _meta(path, snapshot, events, layout: Layout, device, seq_after_event, colum
         "blocks_checked_against_dump": layout.blocks_checked,
         "block_mismatches": layout.block_mismatches,
         "unplaced_events": layout.unplaced_events,
+        # the allocator ran out of memory: [trace seq after which, requested bytes, the
+        # device's free bytes then (0: not recorded)]
+        "oom_events": [[seq_after_event(i), size, free] for i, size, free in layout.oom_events],
         "cublas_workspace_bytes": workspaces,
         "gpu_hint": hint,
         "start_time_us": t0_us,

@@ -55,6 +55,8 @@ class Layout:
     blocks_checked: int
     #: events the replay could not place (an alloc into no free block, a free of nothing)
     unplaced_events: int
+    #: the allocator's own ``oom`` events: (event index, requested bytes, device free bytes)
+    oom_events: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class _Segment:
@@ -130,7 +132,7 @@ def replay_layout(snapshot: dict, device: int = 0) -> Layout:
     reserved = sum(s.size for s in segments.values())
     initial_reserved = peak_reserved = reserved
     allocated = peak_allocated = sum(life.block_bytes for life in live.values())
-    timeline, unplaced = [], 0
+    timeline, unplaced, ooms = [], 0, []
     pending_free: dict[int, Lifetime] = {}
     for index, e in enumerate(events):
         action, address = e["action"], e["addr"]
@@ -171,6 +173,8 @@ def replay_layout(snapshot: dict, device: int = 0) -> Layout:
             peak_reserved = max(peak_reserved, reserved)
             timeline.append((index, action, address, e["size"], e.get("stream", 0), reserved,
                              len(segments)))
+        elif action == "oom":
+            ooms.append((index, int(e.get("size", 0)), int(e.get("device_free", 0) or 0)))
         elif action in (SEGMENT_FREE, SEGMENT_UNMAP):
             if segments.pop(address, None) is not None:
                 bases.remove(address)
@@ -179,7 +183,7 @@ def replay_layout(snapshot: dict, device: int = 0) -> Layout:
                              len(segments)))
     mismatches, checked = _check_against_dump(segments, dump_segments)
     return Layout(lifetimes, initial_segments, timeline, initial_reserved, peak_reserved,
-                  peak_allocated, len(segments), mismatches, checked, unplaced)
+                  peak_allocated, len(segments), mismatches, checked, unplaced, ooms)
 
 
 def _is_small(segment: dict) -> bool:

@@ -1,4 +1,4 @@
-"""GPU profiles for fake execution (memadvisor/fake/gpus.py)."""
+"""GPU profiles for fake execution (memadvisor/gpus.py)."""
 from __future__ import annotations
 
 import importlib
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from memadvisor.errors import UserError
-from memadvisor.fake import gpus
+from memadvisor import gpus
 
 # the module, not the package's re-exported hardware() function of the same name
 hardware = importlib.import_module("memadvisor.simulate.hardware")
@@ -50,7 +50,7 @@ def test_unknown_gpu_is_a_user_error_listing_the_known_ones():
 
 
 def test_importing_the_package_does_not_import_torch():
-    code = ("import sys, memadvisor.fake, memadvisor.fake.gpus, memadvisor.fake.shim; "
+    code = ("import sys, memadvisor.fake, memadvisor.fake.shim; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)

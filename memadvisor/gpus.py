@@ -1,10 +1,9 @@
-"""Simulated GPUs: what ``torch.cuda.get_device_properties`` reports on each target.
+"""The GPUs memadvisor knows: what ``torch.cuda.get_device_properties`` reports on each.
 
-Profile names are those of ``memadvisor/simulate/hardware.py`` (``h100-80gb``,
-``a100-40gb``, ...) with the same short aliases (``h100``, ``a100``, ``4090``, ...), so
-``--gpu NAME`` means the same device to the simulator and to fake execution; a test
-(``tests/fake/test_gpus.py``) keeps the two name lists equal.  The simulator's table
-holds the throughputs; this one holds the device's identity as torch sees it.
+One table for the whole package: fake execution presents these devices to a script, the
+simulator (``simulate/hardware.py``) takes each one's memory, compute capability and cuBLAS
+workspace from here and adds throughputs under the same names, so ``--gpu NAME`` means one
+device everywhere (``tests/test_gpus.py`` keeps the name lists equal).
 
 ``total_memory_bytes`` is what ``get_device_properties().total_memory`` returns, which is
 less than the marketing size (the driver keeps some).  Only the H100 figure was checked
@@ -17,9 +16,10 @@ No torch import: the simulator may read this table.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from ..errors import UserError
+from .errors import UserError
 
 MiB = 1024**2
 
@@ -58,11 +58,28 @@ class GpuProfile:
 
     @property
     def cublas_workspace_bytes(self) -> int:
-        """cuBLAS's default workspace per (handle, stream): 4096 KiB x 8 on compute
-        capability 9.x/10.x/12.x, else ':4096:2:16:8' (FACTS.md, CublasHandlePool.cpp)."""
-        if self.major in (9, 10, 12):
-            return 4096 * 1024 * 8
-        return 4096 * 1024 * 2 + 16 * 1024 * 8
+        """cuBLAS's default workspace per (handle, stream), ``cublas_workspace_bytes``."""
+        return cublas_workspace_bytes(self.capability)
+
+
+#: cuBLAS's default workspace per (handle, stream), CublasHandlePool.cpp (torch 2.6-2.13):
+#: ":4096:8" (32 MiB) on compute capability 9.x/10.x/12.x, else ":4096:2:16:8"
+#: (8,519,680 B).  Allocated through the caching allocator on a thread's first matmul and
+#: kept: the real traces in ../shared/gpu-truth show one from the forward (main) thread and
+#: one from autograd's backward thread, at these sizes.
+CUBLAS_WORKSPACE_CONFIG_DEFAULT = {True: ":4096:8", False: ":4096:2:16:8"}
+
+
+def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
+    """Bytes of one cuBLAS workspace on a GPU of ``capability``; ``config`` is a
+    CUBLAS_WORKSPACE_CONFIG value (":SIZE_KiB:COUNT" pairs) overriding the default, as
+    torch reads it."""
+    text = config or CUBLAS_WORKSPACE_CONFIG_DEFAULT[capability[0] in (9, 10, 12)]
+    pairs = re.findall(r":(\d+):(\d+)", text)
+    if not pairs:
+        raise UserError(f"CUBLAS_WORKSPACE_CONFIG={text!r}: expected ':SIZE_KiB:COUNT' pairs, "
+                        "e.g. ':4096:8'")
+    return sum(int(size_kib) * 1024 * int(count) for size_kib, count in pairs)
 
 
 _ESTIMATE = "estimate: the capacity torch commonly reports for this part ({})"
