@@ -32,6 +32,7 @@ def command(trace_path, as_json, top, gpu, device_memory):
         raise UserError("give --gpu or --device-memory, not both")
     trace = read_trace(trace_path)
     summary = summarize(trace, top=top)
+    _modelled_reserved(trace, summary)
     oom = _post_mortem(trace, gpu, device_memory)
     summary["out_of_memory"] = None if oom is None else oom.to_dict()
     if as_json:
@@ -45,6 +46,28 @@ def command(trace_path, as_json, top, gpu, device_memory):
         elif gpu or device_memory:
             click.echo("\nfits: the allocator model never needs more than the device holds")
     return 0
+
+
+def _modelled_reserved(trace, summary) -> None:
+    """A CUDA trace no allocator reported on (fake execution, the dispatch engine on a GPU
+    without per-step stats): reserved memory per step from the allocator model run over the
+    whole trace from a fresh process -- the first step, where optimizer state made between
+    gradients usually sets ``max_memory_reserved``, beside the steady one."""
+    if not str(trace.meta.device).startswith("cuda") or summary.get("reserved_bytes") is not None:
+        summary["reserved_source"] = "recorded" if summary.get("reserved_bytes") is not None \
+            else None
+        return
+    from ..simulate.recorded_state import model_whole_run
+
+    run = model_whole_run(trace)
+    for step in summary["steps"]:
+        allocated, reserved = run.steps.get(step["index"], (None, None))
+        step["modelled_allocated_bytes"], step["modelled_reserved_bytes"] = allocated, reserved
+    analysed = summary["analysed_step"]
+    summary["reserved_bytes"] = run.steps.get(analysed, (0, run.peak_reserved_bytes))[1] \
+        if analysed is not None else run.peak_reserved_bytes
+    summary["segments"] = run.segments
+    summary["reserved_source"] = "modelled"
 
 
 def _post_mortem(trace, gpu, device_memory):

@@ -21,6 +21,7 @@ state can be given instead, ``add_segment``/``place``), several streams, record_
 from __future__ import annotations
 
 import bisect
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +74,9 @@ class CachingAllocator:
         self.config = config or AllocatorConfig()
         #: blocks at or over it are never split (0: no limit), PYTORCH_CUDA_ALLOC_CONF
         self.max_split = self.config.max_split_size_bytes or (1 << 62)
-        self.free_lists = {True: [], False: []}  # small? -> sorted [(size, seg, offset, id)]
+        # pool -> sorted [(size, segment, offset)]; a pool is ``small`` (bool) on the default
+        # stream and (stream, small) on another: each stream caches its own blocks
+        self.free_lists = defaultdict(list, {True: [], False: []})
         self.blocks: dict[tuple[int, int], _Block] = {}
         self.segment_sizes: dict[int, tuple[int, bool]] = {}
         self.next_segment = 0
@@ -95,9 +98,10 @@ class CachingAllocator:
         index = bisect.bisect_left(items, self._key(block))
         del items[index]
 
-    def malloc(self, size: int) -> _Block:
+    def malloc(self, size: int, stream: int = 0) -> _Block:
         rounded = self.config.round_size(size)
-        return self.malloc_rounded(rounded, rounded <= SMALL_SIZE)
+        small = rounded <= SMALL_SIZE
+        return self.malloc_rounded(rounded, small if not stream else (stream, small))
 
     def splits(self, rounded: int, remaining: int, small: bool) -> bool:
         """``should_split``: small pool at >= 512 B left; large pool at > 1 MiB left, for
@@ -122,11 +126,13 @@ class CachingAllocator:
         items = self.free_lists[small]
         return bool(items) and items[-1][0] >= rounded
 
-    def malloc_rounded(self, rounded: int, small: bool) -> _Block:
-        items = self.free_lists[small]
+    def malloc_rounded(self, rounded: int, pool) -> _Block:
+        """``pool``: ``small`` (bool) on the default stream, (stream, small) on another."""
+        small = pool if isinstance(pool, bool) else pool[1]
+        items = self.free_lists[pool]
         index = bisect.bisect_left(items, (rounded, -1, -1))
         if not self._usable(items, index, rounded):
-            self._new_segment(segment_size(rounded), small)
+            self._new_segment(segment_size(rounded), pool)
             # the new segment is the only block of its size and id: find it exactly
             key = (segment_size(rounded), self.next_segment - 1, 0)
             index = bisect.bisect_left(items, key)
@@ -153,9 +159,12 @@ class CachingAllocator:
         self.blocks[(block.segment, rest.offset)] = rest
         return rest
 
-    def add_segment(self, nbytes: int, small: bool) -> int:
+    def add_segment(self, nbytes: int, small, stream: int = 0) -> int:
         """A segment that already exists (a recorded starting state): all free, no OOM
-        check.  Returns its id; ids grow, and ties in best fit go to the lower id."""
+        check.  Returns its id; ids grow, and ties in best fit go to the lower id.
+        ``small`` may be a pool key already (``malloc_rounded``'s)."""
+        if stream and isinstance(small, bool):
+            small = (stream, small)
         segment = self.next_segment
         self.next_segment += 1
         self.segment_sizes[segment] = (nbytes, small)

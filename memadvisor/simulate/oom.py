@@ -93,11 +93,12 @@ def _modelled(trace: Trace, capacity_bytes: int) -> OutOfMemory | None:
     actions = (events["action"] == schema.ALLOC).to_numpy()
     sids = events["storage_id"].to_numpy()
     sizes = events["size_bytes"].to_numpy()
+    streams = events["stream"].to_numpy()
     model = CachingAllocator(capacity_bytes)
     live = {}
     for row in range(len(events)):
         if actions[row]:
-            live[sids[row]] = model.malloc(int(sizes[row]))
+            live[sids[row]] = model.malloc(int(sizes[row]), int(streams[row]))
             if model.out_of_memory:
                 # the model made the segment anyway; the device would not have
                 block = live.pop(sids[row])

@@ -53,7 +53,8 @@ def replay_recorded(trace: Trace, cold_start: bool = False) -> RecordedReplay:
     segment_of = []  # (base address, size, id)
     for segment in [] if cold_start else sorted(allocator_meta["initial_segments"],
                                                 key=lambda s: s["address"]):
-        segment_id = model.add_segment(segment["total_size"], bool(segment["small"]))
+        segment_id = model.add_segment(segment["total_size"], bool(segment["small"]),
+                                       int(segment.get("stream", 0)))
         segment_of.append((segment["address"], segment["total_size"], segment_id))
     bases = np.array([base for base, _, _ in segment_of], dtype=np.int64)
 
@@ -63,18 +64,20 @@ def replay_recorded(trace: Trace, cold_start: bool = False) -> RecordedReplay:
     requested = events["size_bytes"].to_numpy()
     blocks = events["block_bytes"].to_numpy()
     addresses = events["address"].to_numpy()
+    streams = events["stream"].to_numpy()
     initial = int(allocator_meta["initial_blocks"])
     live, requests = {}, 0
     for row in range(len(events)):
         if row < initial and cold_start:
-            live[sids[row]] = model.malloc(int(requested[row]))
+            live[sids[row]] = model.malloc(int(requested[row]), int(streams[row]))
         elif row < initial:
             index = int(np.searchsorted(bases, addresses[row], "right")) - 1
             base, size, segment_id = segment_of[index]
             live[sids[row]] = model.place(segment_id, int(addresses[row] - base), int(blocks[row]))
         elif actions[row]:
             requests += 1
-            live[sids[row]] = model.malloc(int(requested[row]))
+            # each stream's pool caches its own blocks (FSDP's and DDP's side streams)
+            live[sids[row]] = model.malloc(int(requested[row]), int(streams[row]))
         else:
             block = live.pop(sids[row], None)
             if block is not None:
@@ -115,6 +118,7 @@ def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0) -> Model
     sids = events["storage_id"].to_numpy()
     requested = events["size_bytes"].to_numpy()
     step_of = events["step"].to_numpy()
+    streams = events["stream"].to_numpy()
     live, steps = {}, {}
     current, step_allocated, step_reserved = None, 0, 0
     for row in range(len(events)):
@@ -124,7 +128,7 @@ def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0) -> Model
             current = step_of[row]
             step_allocated, step_reserved = model.allocated, model.reserved
         if actions[row]:
-            live[sids[row]] = model.malloc(int(requested[row]))
+            live[sids[row]] = model.malloc(int(requested[row]), int(streams[row]))
         else:
             block = live.pop(sids[row], None)
             if block is not None:

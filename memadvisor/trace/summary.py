@@ -150,8 +150,14 @@ def summary_text(summary: dict[str, Any]) -> str:
                  f"at {where.get('op') or '?'}")
     if summary.get("reserved_bytes") is not None:
         segments = f" in {summary['segments']:,} segments" if summary.get("segments") else ""
+        how = " (the allocator model, from a fresh process)" \
+            if summary.get("reserved_source") == "modelled" else ""
         lines.append(f"reserved by the CUDA caching allocator: {fb(summary['reserved_bytes'])}"
-                     f"{segments} (peak)")
+                     f"{segments} (peak){how}")
+        modelled = [s for s in summary["steps"] if s.get("modelled_reserved_bytes")]
+        if modelled:
+            lines.append("reserved per step: " + ", ".join(
+                f"{s['index']}: {fb(s['modelled_reserved_bytes'])}" for s in modelled))
     lines.append("")
     lines.append("at the peak, by category:")
     total = max(summary["peak_bytes"], 1)

@@ -89,3 +89,15 @@ def test_settings_the_model_cannot_follow_are_refused_by_name():
     assert parse_alloc_conf("expandable_segments:True").expandable_segments
     with pytest.raises(UserError, match="garbage_collection_threshold"):
         config_from_snapshot({"garbage_collection_threshold": 0.8})
+
+
+def test_each_stream_caches_its_own_blocks():
+    """A block freed on one stream's pool is not reused by a request on another (FSDP2's
+    all-gather stream, DDP's): the caching allocator keys its pools by stream."""
+    model = CachingAllocator()
+    side = model.malloc(30 * MiB, stream=7)
+    model.free(side)
+    main = model.malloc(30 * MiB)
+    assert main.segment != side.segment and len(model.segment_sizes) == 2
+    again = model.malloc(30 * MiB, stream=7)
+    assert again.segment == side.segment
