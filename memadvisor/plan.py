@@ -79,10 +79,18 @@ class Plan:
     # --- reading and writing ----------------------------------------------------------
     @classmethod
     def parse(cls, text: str) -> "Plan":
-        """A compact ``key=value,...`` string, ``none``, or the path of a JSON file."""
+        """A compact ``key=value,...`` string, ``none``, or the path of a JSON file (the
+        command line's ``--plan``; anything a remote client sends goes to ``parse_spec``)."""
         text = text.strip()
         if text.endswith(".json") or (os.path.isfile(text) and not "=" in text):
             return cls.from_json_file(text)
+        return cls.parse_spec(text)
+
+    @classmethod
+    def parse_spec(cls, text: str) -> "Plan":
+        """A compact ``key=value,...`` string or ``none`` -- never a file: a spec from a web
+        page must not make the server open a path the client names."""
+        text = str(text).strip()
         if text in ("", "none", "default"):
             return cls()
         values: dict[str, str] = {}

@@ -6,6 +6,8 @@ import os
 
 import click
 
+from ..terminal import safe_text
+
 
 @click.command()
 @click.argument("trace_path", metavar="TRACE")
@@ -53,7 +55,7 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
             raise UserError(f"cannot write --save-plan {save_plan}: "
                             f"{getattr(exc, 'strerror', None) or exc}") from None
-    click.echo(json.dumps(data, indent=2) if as_json else advise_text(data))
+    click.echo(json.dumps(data, indent=2) if as_json else safe_text(advise_text(data)))
     return 0
 
 

@@ -5,6 +5,8 @@ import time
 
 import click
 
+from ..terminal import safe_text
+
 
 def _write_junit(path, results, trace_path, started, error=None):
     from pathlib import Path
@@ -56,7 +58,7 @@ def command(trace_path, budget, baseline_path, max_increase, junit_path):
                          max_increase=increase)
     for result in results:
         verdict = "ok  " if result.passed else "FAIL"
-        click.echo(f"memadvisor check: {verdict} {result.name}: {result.message}",
+        click.echo(safe_text(f"memadvisor check: {verdict} {result.name}: {result.message}"),
                    err=not result.passed)
     if junit_path:
         _write_junit(junit_path, results, trace_path, started)

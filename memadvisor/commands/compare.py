@@ -5,6 +5,8 @@ import json
 
 import click
 
+from ..terminal import safe_text
+
 
 @click.command()
 @click.argument("a_path", metavar="A.trace")
@@ -27,5 +29,5 @@ def command(a_path, b_path, step_a, step_b, top, as_json):
     a = read_trace(a_path)
     b = read_trace(b_path) if b_path and b_path != a_path else a
     result = compare_traces(a, b, step_a=step_a, step_b=step_b, top_modules=top)
-    click.echo(json.dumps(result, indent=2) if as_json else compare_text(result))
+    click.echo(json.dumps(result, indent=2) if as_json else safe_text(compare_text(result)))
     return 0

@@ -23,10 +23,10 @@ def command(trace_path, output):
     from ..trace.io import read_trace
 
     output = Path(output) if output else Path(trace_path).with_suffix(".pickle")
+    from ..output_files import check_output
+    output = check_output(output, "trace" if "import" in __name__ else "snapshot")
     if output.exists() and output.resolve() == Path(trace_path).resolve():
         raise UserError(f"{output}: is the trace itself; choose another -o")
-    if output.is_dir():
-        raise UserError(f"{output}: is a directory; -o names the snapshot file to write")
     trace = read_trace(trace_path)
     result = export_snapshot(trace, output)
     click.echo(f"memadvisor: wrote {result['snapshot']} ({result['events']:,} events, "

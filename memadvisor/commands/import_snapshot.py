@@ -25,6 +25,8 @@ def command(snapshot_path, output, device):
     from ..snapshot.importer import import_snapshot
 
     output = Path(output) if output else Path(snapshot_path).with_suffix(".trace")
+    from ..output_files import check_output
+    output = check_output(output, "trace" if "import" in __name__ else "snapshot")
     if output.exists() and output.resolve() == Path(snapshot_path).resolve():
         raise UserError(f"{output}: is the snapshot itself; choose another -o")
     result = import_snapshot(snapshot_path, output, device)

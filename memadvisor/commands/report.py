@@ -19,9 +19,11 @@ import click
               help="Add a comparison against an earlier trace.")
 def command(trace_path, output, budget, num_gpus, plan_spec, baseline_path):
     """Write one self-contained HTML memory report of TRACE (opens offline)."""
+    from ..output_files import check_output
     from ..report import write_report
     from ..units import format_bytes, parse_bytes
 
+    output = check_output(output, "report")  # before the work, not after it
     budget_bytes = parse_bytes(budget) if budget is not None else None
     path = write_report(trace_path, output, budget_bytes=budget_bytes, num_gpus=num_gpus,
                         plan_spec=plan_spec, baseline_path=baseline_path)

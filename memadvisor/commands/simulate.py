@@ -5,6 +5,8 @@ import json
 
 import click
 
+from ..terminal import safe_text
+
 
 @click.command()
 @click.argument("trace_path", metavar="TRACE")
@@ -35,7 +37,7 @@ def command(trace_path, plan_spec, gpu, expandable_segments, as_json):
         raise UserError(f"cannot simulate {plan} on {hw.name}: {problems[0]}")
     prediction = simulate(base, plan, hw, expandable_segments=expandable_segments)
     data = simulate_dict(base, prediction, hw)
-    click.echo(json.dumps(data, indent=2) if as_json else simulate_text(data))
+    click.echo(json.dumps(data, indent=2) if as_json else safe_text(simulate_text(data)))
     return 0
 
 

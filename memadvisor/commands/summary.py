@@ -6,6 +6,8 @@ import os
 
 import click
 
+from ..terminal import safe_text
+
 
 @click.command()
 @click.argument("trace_path", metavar="TRACE")
@@ -39,10 +41,10 @@ def command(trace_path, as_json, top, gpu, device_memory):
         click.echo(json.dumps(summary, indent=2))
     else:
         shorten_paths(summary, os.getcwd())
-        click.echo(summary_text(summary))
+        click.echo(safe_text(summary_text(summary)))
         if oom is not None:
             from ..simulate.oom import post_mortem_text
-            click.echo("\n" + post_mortem_text(oom))
+            click.echo("\n" + safe_text(post_mortem_text(oom)))
         elif gpu or device_memory:
             click.echo("\nfits: the allocator model never needs more than the device holds")
     return 0

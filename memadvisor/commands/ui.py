@@ -15,14 +15,26 @@ import click
               "h100-80gb (default: the device that recorded the trace).")
 @click.option("--baseline", "baseline_path", default=None, metavar="OLD.trace",
               help="Add a comparison against an earlier trace.")
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on.  The dashboard has no authentication: anything "
+                   "but a loopback address needs --expose.")
+@click.option("--expose", is_flag=True,
+              help="Allow a non-loopback --host (anyone who reaches the port sees the trace).")
 @click.option("--port", default=8050, show_default=True, type=click.IntRange(0, 65535),
               help="Port to serve on (0: any free port).")
 @click.option("--no-browser", is_flag=True,
               help="Do not open a browser (never opened when stdout is not a terminal).")
-def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_browser):
+def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_browser, expose):
     """Serve an interactive dashboard of TRACE: timeline, what is alive, plans."""
+    from ..errors import UserError
     from ..units import parse_bytes
+
+    if not _is_loopback(host):
+        if not expose:
+            raise UserError(f"--host {host!r} listens beyond this machine and the dashboard "
+                            "has no authentication; add --expose to do it anyway")
+        click.echo(f"memadvisor: warning: serving on {host or 'every interface'} without "
+                   "authentication: anyone who reaches the port sees the trace", err=True)
     from ..ui import data as ui_data
     from ..ui.app import build_app
     from ..ui.server import bind, serve, should_open_browser
@@ -41,3 +53,14 @@ def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_bro
     serve(server, open_browser=should_open_browser(no_browser),
           announce=lambda url: click.echo(f"memadvisor: dashboard at {url} (Ctrl-C stops)"))
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    """'' and 0.0.0.0 / :: mean every interface: not loopback."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

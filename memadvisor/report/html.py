@@ -309,9 +309,5 @@ def render_html(data: ReportData, plotly_js: str | None = None) -> str:
 
 
 def write_html(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-    return path
+    from ..output_files import write_output
+    return write_output(path, lambda where: Path(where).write_text(text, encoding="utf-8"))

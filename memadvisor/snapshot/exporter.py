@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..output_files import write_output
 from ..simulate.allocator import CachingAllocator, round_size
 from ..trace import schema
 from ..trace.io import Trace
@@ -32,11 +33,11 @@ _SEGMENT_ALIGN = 2 << 20
 def export_snapshot(trace: Trace, output: str | Path) -> dict:
     snapshot = build_snapshot(trace)
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        pickle.dump(snapshot, handle, protocol=PICKLE_PROTOCOL)
-    tmp.replace(output)
+
+    def dump(where):
+        with open(where, "wb") as handle:
+            pickle.dump(snapshot, handle, protocol=PICKLE_PROTOCOL)
+    write_output(output, dump)
     events = snapshot["device_traces"][0]
     return {"snapshot": str(output), "events": len(events),
             "segments": len(snapshot["segments"]),

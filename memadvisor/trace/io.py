@@ -17,6 +17,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..output_files import write_output
 from .schema import (
     COLUMNS, COLUMN_NAMES, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY, OPTIONAL_ZERO_COLUMNS,
     TraceMeta,
@@ -83,11 +84,8 @@ def write_trace(path: str | os.PathLike, events: pa.Table | pd.DataFrame,
     table = events if isinstance(events, pa.Table) else _table_from_frame(events)
     meta_json = json.dumps(meta.to_dict(), default=str).encode()
     table = table.replace_schema_metadata({METADATA_KEY: meta_json})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
-    return path
+    # atomic for a regular file; a symlink or device node is written through, never replaced
+    return write_output(path, lambda where: pq.write_table(table, where, compression="zstd"))
 
 
 def read_meta(path: str | os.PathLike) -> TraceMeta:

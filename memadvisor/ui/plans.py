@@ -96,7 +96,8 @@ class PlanAdvisor:
         from ..simulate.output import simulate_dict
 
         base = self.baseline()
-        prediction = simulate(base, Plan.parse(plan_spec), self.hardware)
+        # the spec comes from the page: a spec, never a path the server would open
+        prediction = simulate(base, Plan.parse_spec(plan_spec), self.hardware)
         data = simulate_dict(base, prediction, self.hardware)
         pairs = timeline_pairs(prediction.timeline)
         data["timeline"] = decimate_pairs(pairs) if pairs else []

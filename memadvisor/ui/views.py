@@ -156,10 +156,15 @@ class Dashboard:
                   budget_text: Any = None) -> tuple[go.Figure | None, list[str]]:
         """The selected plan's predicted timeline beside the measured one, and its terms
         (what each category becomes and why, step-time terms, what changes)."""
-        rows = rows or []
-        if not selected_rows or not 0 <= selected_rows[0] < len(rows):
+        rows = rows if isinstance(rows, list) else []
+        if not selected_rows or not isinstance(selected_rows, list) \
+                or not isinstance(selected_rows[0], int) or not 0 <= selected_rows[0] < len(rows):
             return None, ["select a plan in the table to see its prediction"]
-        spec = rows[selected_rows[0]]["plan"]
+        row = rows[selected_rows[0]]
+        spec = row.get("plan") if isinstance(row, dict) else None
+        if not isinstance(spec, str):
+            # rows come back from the browser: anything but a plan spec is not answered
+            return None, ["select a plan in the table to see its prediction"]
         try:
             budget = parse_budget(budget_text)
             detail = self.advisor.detail(spec)

@@ -231,3 +231,16 @@ def test_trace_without_a_complete_step(tmp_path, ui_model_trace):
     assert "the whole run" in fig.layout.title.text
     rows, message, _ = board.plans_view("1GiB", 1)
     assert rows == [] and "completed no training step" in message
+
+
+def test_plan_detail_never_opens_a_path_the_page_names(board, tmp_path):
+    """Rows come back from the browser: a plan that is a file path is refused as a spec,
+    and the file's contents never reach the answer (they used to, in the error text)."""
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"precision": "TOP-SECRET-VALUE"}')
+    fig, lines = board.plan_view([0], [{"plan": str(secret)}])
+    assert fig is None and not any("TOP-SECRET-VALUE" in line for line in lines)
+    assert any("plan item" in line for line in lines)
+    for rows in ([{"plan": 42}], ["not a row"], None, [{}]):
+        assert board.plan_view([0], rows)[0] is None
+    assert board.plan_view(["0"], [{"plan": "none"}])[0] is None
