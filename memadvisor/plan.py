@@ -119,6 +119,8 @@ class Plan:
                             f"{exc.start}); a plan file is JSON") from None
         except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, a NUL in the path
             raise PlanError(f"cannot read plan file {path}: {exc}") from None
+        except RecursionError:
+            raise PlanError(f"cannot read plan file {path}: JSON nested too deep") from None
         if not isinstance(data, dict):
             raise PlanError(f"plan file {path} must hold a JSON object of {', '.join(KEYS)}")
         return cls.from_dict(data)

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..output_files import write_output
+from .validate import events_problem, meta_problem
 from .schema import (
     COLUMNS, COLUMN_NAMES, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY, OPTIONAL_ZERO_COLUMNS,
     TraceMeta,
@@ -119,6 +120,9 @@ def read_trace(path: str | os.PathLike) -> Trace:
             raise TraceError(f"{path}: column {name} has type {table.schema.field(name).type}, "
                              f"expected {COLUMNS[name][0]}")
     events = table.to_pandas()
+    problem = events_problem(events)
+    if problem:
+        raise TraceError(f"{path}: trace events are damaged ({problem})")
     return Trace(events=events, meta=meta, path=str(path))
 
 
@@ -144,17 +148,20 @@ def _meta_from_schema(path: Path, schema: pa.Schema) -> TraceMeta:
         raise TraceError(f"{path}: a Parquet file, but not a memadvisor trace")
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise TraceError(f"{path}: trace metadata is damaged") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise TraceError(f"{path}: not a memadvisor trace")
     version = data.get("format_version")
-    if not isinstance(version, int):
-        raise TraceError(f"{path}: trace has no format version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TraceError(f"{path}: trace has no valid format version ({version!r})")
     if version > FORMAT_VERSION:
         raise TraceError(
             f"{path}: trace format version {version} is newer than this memadvisor reads "
             f"({FORMAT_VERSION}); upgrade memadvisor")
+    problem = meta_problem(data)
+    if problem:
+        raise TraceError(f"{path}: trace metadata is damaged ({problem})")
     return TraceMeta.from_dict(_upgrade(data))
 
 
