@@ -17,6 +17,8 @@ import numpy as np
 from ..trace import schema
 from ..trace.io import Trace
 from .allocator import CachingAllocator, round_size
+from .allocator import replay as allocator_replay
+from .allocator_config import AllocatorConfig
 from .allocator_config import config_from_snapshot
 
 
@@ -106,36 +108,45 @@ class ModelledRun:
     steps: dict
 
 
+#: at most this many steps get their own reserved figure (one compiled replay each)
+MODELLED_STEPS = 16
+
+
 def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0) -> ModelledRun:
-    """Replay every request of ``trace`` in order, from nothing cached (a fresh process:
-    a profile of the whole run, warm-up steps included, as fake execution records it), and
-    keep each step's peaks -- what ``max_memory_allocated``/``max_memory_reserved`` would
-    say after a ``reset_peak_memory_stats`` at the step's start (reserved never shrinks,
-    so a step's peak reserved includes what earlier steps left cached)."""
-    model = CachingAllocator(capacity_bytes, config)
+    """Every request of ``trace`` in order through the allocator model, from nothing cached
+    (a fresh process: a profile of the whole run, warm-up steps included, as fake execution
+    records it), with each step's peaks -- what ``max_memory_allocated``/
+    ``max_memory_reserved`` would say after a ``reset_peak_memory_stats`` at its start.
+
+    Reserved memory never shrinks (segments are kept), so a step's peak reserved is the
+    model's reserved at the step's end: one compiled replay of the run up to there, for the
+    first steps and the last (``MODELLED_STEPS`` in all).  A step's allocated peak is its
+    live bytes with every request rounded to the allocator's 512-byte granule (a whole
+    free block taken unsplit is not counted)."""
     events = trace.events
-    actions = (events["action"] == schema.ALLOC).to_numpy()
-    sids = events["storage_id"].to_numpy()
-    requested = events["size_bytes"].to_numpy()
-    step_of = events["step"].to_numpy()
-    streams = events["stream"].to_numpy()
-    live, steps = {}, {}
-    current, step_allocated, step_reserved = None, 0, 0
-    for row in range(len(events)):
-        if step_of[row] != current:
-            if current is not None:
-                steps[int(current)] = (step_allocated, step_reserved)
-            current = step_of[row]
-            step_allocated, step_reserved = model.allocated, model.reserved
-        if actions[row]:
-            live[sids[row]] = model.malloc(int(requested[row]), int(streams[row]))
-        else:
-            block = live.pop(sids[row], None)
-            if block is not None:
-                model.free(block)
-        step_allocated = max(step_allocated, model.allocated)
-        step_reserved = max(step_reserved, model.reserved)
-    if current is not None:
-        steps[int(current)] = (step_allocated, step_reserved)
-    return ModelledRun(model.peak_allocated, model.peak_reserved, len(model.segment_sizes),
+    is_alloc = (events["action"] == schema.ALLOC).to_numpy()
+    requested = events["size_bytes"].to_numpy().astype(np.int64)
+    config = config or AllocatorConfig()
+    rounded = np.array([config.round_size(int(r)) for r in requested], dtype=np.int64) \
+        if not config.default_rules else np.where(
+            requested < 512, 512, -(-requested // 512) * 512)
+    live = np.cumsum(np.where(is_alloc, rounded, -rounded))
+    signed = np.where(is_alloc, requested, -requested).astype(np.float64)
+    rows = events["storage_id"].to_numpy()
+    steps_column = events["step"].to_numpy()
+    unique = np.unique(steps_column)
+    stops = np.searchsorted(steps_column, unique, "right")
+    starts = np.searchsorted(steps_column, unique, "left")
+    chosen = set(range(min(len(unique), MODELLED_STEPS - 1))) | {len(unique) - 1}
+    steps = {}
+    for index in sorted(chosen):
+        if index < 0:
+            continue
+        stop = int(stops[index])
+        reserved = allocator_replay(signed[:stop], rows[:stop], capacity_bytes,
+                                    config=config).peak_reserved_bytes
+        window = live[int(starts[index]):stop]
+        steps[int(unique[index])] = (int(window.max()) if len(window) else 0, reserved)
+    whole = allocator_replay(signed, rows, capacity_bytes, config=config)
+    return ModelledRun(whole.peak_allocated_bytes, whole.peak_reserved_bytes, whole.segments,
                        steps)

@@ -100,11 +100,16 @@ def by_category(alive: pd.DataFrame) -> dict[str, int]:
 
 
 def step_peaks(events: pd.DataFrame, live: np.ndarray) -> list[dict]:
-    """Peak live bytes of every step present in the events."""
+    """Peak live bytes of every step present in the events (one pass: the step column is
+    read once, each step's window found by binary search)."""
     out = []
     if not len(events):
         return out
-    for step in np.unique(events["step"].to_numpy()):
-        position, peak = peak_in(live, step_slice(events, int(step)))
+    steps = events["step"].to_numpy()
+    unique = np.unique(steps)
+    starts = np.searchsorted(steps, unique, "left")
+    stops = np.searchsorted(steps, unique, "right")
+    for step, start, stop in zip(unique.tolist(), starts.tolist(), stops.tolist()):
+        position, peak = peak_in(live, slice(start, stop))
         out.append({"index": int(step), "peak_bytes": peak, "peak_seq": int(position)})
     return out

@@ -167,8 +167,8 @@ def summary_text(summary: dict[str, Any]) -> str:
     lines.append(f"model state: parameters {fb(summary['parameter_bytes'])}, gradients "
                  f"{fb(summary['gradient_bytes'])}, optimizer state "
                  f"{fb(summary['optimizer_state_bytes'])}")
-    lines.append("peak per step: " + ", ".join(
-        f"{s['index']}: {fb(s['peak_bytes'])}" for s in summary["steps"]))
+    lines.append("peak per step: " + _few(
+        [f"{s['index']}: {fb(s['peak_bytes'])}" for s in summary["steps"]]))
     if summary["top_sites"]:
         lines.append("")
         lines.append("largest allocation sites alive at the peak:")
@@ -183,6 +183,14 @@ def summary_text(summary: dict[str, Any]) -> str:
         for entry in summary["top_activation_modules"]:
             lines.append(f"  {fb(entry['bytes']):>12}  {entry['module']}")
     return "\n".join(lines)
+
+
+def _few(items: list[str], each_end: int = 8) -> str:
+    """A long per-step list as its first and last entries (--json has them all)."""
+    if len(items) <= 2 * each_end + 1:
+        return ", ".join(items)
+    return (", ".join(items[:each_end]) + f", ... ({len(items) - 2 * each_end} more), "
+            + ", ".join(items[-each_end:]) + f"  [{len(items):,} steps; --json has all]")
 
 
 def shorten_paths(summary: dict[str, Any], base: str) -> None:

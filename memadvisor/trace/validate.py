@@ -68,7 +68,7 @@ def meta_problem(data: dict[str, Any]) -> str | None:
 def events_problem(events: pd.DataFrame) -> str | None:
     if not len(events):
         return None
-    actions = set(events["action"].astype(str).unique())
+    actions = {str(a) for a in events["action"].unique()}  # categorical: no per-row strings
     if not actions <= set(schema.ACTIONS):
         return f"unknown action {sorted(actions - set(schema.ACTIONS))[0]!r}"
     for name in ("size_bytes", "block_bytes"):
