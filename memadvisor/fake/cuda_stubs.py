@@ -178,6 +178,27 @@ def _noop(*_args, **_kwargs):
     return None
 
 
+def _memory_history_stubs(device_count: int) -> dict:
+    """``_record_memory_history`` and the dumps: accepted, nothing recorded.  A dump says
+    once, on stderr, that it wrote nothing and where the record is instead."""
+    warned = []
+
+    def dump_snapshot(filename="dump_snapshot.pickle", *args, **kwargs) -> None:
+        if not warned:
+            warned.append(filename)
+            import sys
+            print(f"memadvisor: torch.cuda.memory._dump_snapshot({filename!r}) under fake "
+                  f"execution writes nothing (no allocator ran); `memadvisor "
+                  f"export-snapshot TRACE` writes one from the profile", file=sys.stderr)
+
+    def snapshot(*args, **kwargs) -> dict:
+        return {"segments": [], "device_traces": [[] for _ in range(device_count)],
+                "allocator_settings": {}}
+
+    return {"_record_memory_history": _noop, "_dump_snapshot": dump_snapshot,
+            "_snapshot": snapshot, "memory_snapshot": lambda *a, **k: []}
+
+
 def install(gpu: GpuProfile, device_count: int, stats: MemoryStats,
             set_native_device=None) -> Patches:
     """Patch ``torch.cuda`` to describe ``device_count`` GPUs like ``gpu``; memory queries
@@ -285,6 +306,10 @@ def install(gpu: GpuProfile, device_count: int, stats: MemoryStats,
                  "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
                  "mem_get_info", "empty_cache"):
         patches.set(cuda.memory, name, replacements[name])
+    # recording the allocator's history (memory_viz snapshots): there is no allocator
+    # here; the profiler's trace is the record (memadvisor export-snapshot writes one)
+    for name, value in _memory_history_stubs(device_count).items():
+        patches.set(cuda.memory, name, value)
     for name in ("range_push", "range_pop", "mark"):
         patches.set(cuda.nvtx, name, _noop)
     patches.set(cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())

@@ -73,6 +73,7 @@ class SimulatedGpuMode(FakeTensorMode):
         if answered is not NotImplemented:
             self._track(answered)
             return answered
+        self.placeholder_log.ops_dispatched += 1
         try:
             out = super().dispatch(func, types, args, kwargs)
         except UnsupportedOperatorException:

@@ -16,7 +16,12 @@ records where the script asked, so the profile can say which lines saw invented 
     under-estimated.  ``masked_select``: ``(numel,)`` likewise.
 
 A script whose control flow depends on these values (``while loss > eps``) runs the
-branch the placeholder picks; the records let a report warn about each such line.
+branch the placeholder picks; the records let a report warn about each such line.  A loop
+that the placeholder never ends is stopped: when one line has read a placeholder in more
+than ``PlaceholderLog.loop_limit`` iterations since the last optimizer step,
+:class:`DataDependentLoop` names it.  An *iteration* is a read with some other op run
+since that line's previous read, so ``t.tolist()`` (one op, then a read per element) is
+one, and a loop over a model's parameters reading each norm is one per parameter.
 """
 from __future__ import annotations
 
@@ -30,7 +35,14 @@ import torch
 
 _aten = torch.ops.aten
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_FAKE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# all of memadvisor: the profiler's dispatch mode sits between a script and fake mode too
+_MEMADVISOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch frames that only carry a read to the fake mode (dispatch, tensor printing): a read
+#: through them alone is the script's own (``loss.item()``, ``print(loss)``)
+_TORCH_PLUMBING = tuple(_TORCH_DIR + name for name in (
+    "_subclasses" + os.sep, "utils" + os.sep + "_stats.py",
+    "utils" + os.sep + "_python_dispatch.py", "_ops.py", "_tensor.py", "_tensor_str.py",
+    "_compile.py", "_dynamo" + os.sep))  # the last two: torch._disable_dynamo's wrappers
 
 SCALAR_OPS = frozenset({_aten._local_scalar_dense.default})
 TRUE_OPS = frozenset({_aten.allclose.default, _aten.equal.default})
@@ -52,7 +64,7 @@ class PlaceholderUse:
 
 
 def _is_internal(filename: str) -> bool:
-    return (filename.startswith(_TORCH_DIR) or filename.startswith(_FAKE_DIR)
+    return (filename.startswith(_TORCH_DIR) or filename.startswith(_MEMADVISOR_DIR)
             or filename.startswith("<frozen"))
 
 
@@ -69,7 +81,7 @@ def _locate() -> tuple[str, str]:
         filename = frame.f_code.co_filename
         if not _is_internal(filename):
             return f"{filename}:{frame.f_lineno}", torch_function
-        if filename.startswith(_TORCH_DIR):
+        if filename.startswith(_TORCH_DIR) and not filename.startswith(_TORCH_PLUMBING):
             module = filename[len(_TORCH_DIR):].removesuffix(".py").replace(os.sep, ".")
             torch_function = f"torch.{module}:{frame.f_code.co_name}"
         frame = frame.f_back
@@ -86,15 +98,39 @@ def scalar_placeholder(dtype: torch.dtype):
     return 1
 
 
+class DataDependentLoop(BaseException):
+    """A loop whose exit depends on tensor values that fake execution invents.
+
+    A ``BaseException`` (like KeyboardInterrupt), so a script's ``except Exception`` does
+    not swallow it and keep looping.  ``str()`` is one line naming the script's line."""
+
+    def __init__(self, location: str, inside_torch: str, iterations: int):
+        self.location, self.inside_torch, self.iterations = location, inside_torch, iterations
+        via = f" (inside {inside_torch})" if inside_torch else ""
+        super().__init__(f"{location}{via} reads tensor values in a loop that fake "
+                         f"execution cannot end: {iterations:,} iterations without an "
+                         f"optimizer step; fake tensors have no values (placeholders: "
+                         f"item() = 1, bool() = True)")
+
+
 class PlaceholderLog:
     """Every placeholder answered, in order (bounded: the first ``limit`` are kept, all are
     counted by location)."""
+
+    #: iterations of one line's reads between two optimizer steps that mean "endless"
+    #: (a training loop reading a few values per step, or one per parameter, stays far
+    #: below; a data-dependent ``while`` reaches it in seconds)
+    loop_limit = 10_000
 
     def __init__(self, limit: int = 10_000):
         self._lock = threading.Lock()
         self.limit = limit
         self.uses: list[PlaceholderUse] = []
         self.count_by_location: Counter[str] = Counter()
+        #: location -> [iterations since the last step, ops_dispatched at its last read]
+        self._iterations: dict[str, list[int]] = {}
+        #: ops the fake mode ran other than reads (mode.py counts them)
+        self.ops_dispatched = 0
 
     def record(self, op: str, value: object) -> None:
         location, inside_torch = _locate()
@@ -102,6 +138,29 @@ class PlaceholderLog:
             self.count_by_location[location] += 1
             if len(self.uses) < self.limit:
                 self.uses.append(PlaceholderUse(op, location, repr(value), inside_torch))
+            seen = self._iterations.get(location)
+            if seen is None:
+                seen = self._iterations[location] = [0, -1]
+            if seen[1] != self.ops_dispatched:
+                seen[0] += 1
+                seen[1] = self.ops_dispatched
+            iterations = seen[0]
+        if iterations > self.loop_limit:
+            raise DataDependentLoop(location, inside_torch, iterations)
+
+    def new_step(self) -> None:
+        """An optimizer step ended: loops that read values once per step are fine."""
+        with self._lock:
+            self._iterations.clear()
+
+    def busiest_location(self) -> tuple[str, int] | None:
+        """The line with the most read iterations since the last step, and their count."""
+        with self._lock:
+            if not self._iterations:
+                return None
+            location, (iterations, _) = max(self._iterations.items(),
+                                            key=lambda item: item[1][0])
+            return location, iterations
 
     def locations(self) -> list[str]:
         """Distinct script lines that read placeholder values, most frequent first."""

@@ -40,7 +40,8 @@ _active_lock = threading.Lock()
 @dataclass(kw_only=True)
 class FakeRun:
     """What one fake execution saw; filled in while it runs."""
-    gpu: GpuProfile
+    gpu: GpuProfile | None
+    """The simulated GPU; None: none (fake CPU tensors, torch.cuda untouched)."""
     num_ranks: int
     rank: int
     mode: object = None
@@ -83,6 +84,7 @@ def _step_peaks(run: FakeRun):
 
     def after_step(_optimizer, _args, _kwargs):
         run.step_peak_bytes.append(run.live_bytes.reset_window(run.device_index))
+        run.placeholder_log.new_step()
 
     return register_optimizer_step_post_hook(after_step)
 
@@ -133,19 +135,23 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
                    memory_stats=None) -> Iterator[FakeRun]:
     """Run the body with every tensor fake on ``nproc`` simulated ``gpu``s as ``rank``.
 
+    ``gpu=None``: no simulated GPU -- ``torch.cuda`` stays as this build has it (on a
+    CPU-only build: unavailable), so a script that picks its device runs on fake CPU
+    tensors with the CPU's defaults (the native shim is not needed then).
+
     ``memory_stats``: a ``memory.MemoryStats`` that ``torch.cuda.memory_allocated()`` and
     friends answer from (the profiler's allocator model); default: live fake bytes.
     Raises ``FakeCudaUnavailable`` when the shim cannot be built or loaded (one line),
     ``UserError`` for an unknown GPU or bad ranks.
     """
     from ..errors import UserError
-    profile = gpu_profile(gpu)
+    profile = gpu_profile(gpu) if gpu is not None else None
     if nproc < 1 or not 0 <= rank < nproc:
         raise UserError(f"rank {rank} of {nproc} ranks is not a rank of the job")
-    loaded = _load_shim(nproc)
+    loaded = _load_shim(nproc) if profile is not None else shim_module.loaded()
     import torch  # after the shim: torch's import resolves the CUDA hooks
 
-    from . import cuda_stubs, distributed, modules
+    from . import cuda_stubs, distributed, initializers, modules
     from .memory import LiveFakeBytes
     from .mode import SimulatedGpuMode
 
@@ -156,10 +162,12 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
         raise RuntimeError("fake execution is already running in this process")
     undo = []
     try:
-        undo.append(cuda_stubs.install(profile, min(nproc, shim_module.MAX_DEVICES),
-                                       memory_stats or run.live_bytes,
-                                       loaded.set_current_device))
+        if profile is not None:
+            undo.append(cuda_stubs.install(profile, min(nproc, shim_module.MAX_DEVICES),
+                                           memory_stats or run.live_bytes,
+                                           loaded.set_current_device))
         undo.append(modules.install())
+        undo.append(initializers.install())
         undo.append(_track_storage_resizes(run.live_bytes))
         undo.append(_real_data_workers())
         undo.append(distributed.EnvironmentPatch(
@@ -175,7 +183,8 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
     finally:
         for patch in reversed(undo):
             patch.undo()
-        loaded.set_current_device(0)
+        if loaded is not None:
+            loaded.set_current_device(0)
         _active_lock.release()
 
 
