@@ -37,9 +37,20 @@ def _progress(info: dict) -> None:
               help="Skip measuring the script's convolutions and Linear layers in bf16 after "
                    "the run (faster on large CPU models; bf16 plans then fall back to "
                    "formulas for those kernels' scratch).")
+@click.option("--fake", is_flag=True,
+              help="Run every tensor fake (shapes and dtypes, no memory, no compute) on a "
+                   "simulated GPU: profile a model this machine cannot hold, a GPU script "
+                   "on a CPU-only machine (docs/FAKE.md).")
+@click.option("--gpu", default=None,
+              help="With --fake: the GPU the script sees (a100-40gb, h100-80gb, ...); "
+                   "without it, fake tensors on the CPU.")
+@click.option("--nproc", default=1, show_default=True, type=click.IntRange(min=1),
+              help="With --fake: ranks in the job (init_process_group gets a fake group).")
+@click.option("--rank", default=0, show_default=True, type=click.IntRange(min=0),
+              help="With --fake: which rank of --nproc to run.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines.")
 def command(script, script_args, output, steps, timeout_s, step_boundary, engine, no_probes,
-            quiet):
+            fake, gpu, nproc, rank, quiet):
     """Run SCRIPT (as `python SCRIPT ARGS` would) for a few steps and record a memory trace.
 
     Put the script's own arguments after `--`:
@@ -53,9 +64,14 @@ def command(script, script_args, output, steps, timeout_s, step_boundary, engine
     # answer a mistyped path at once, before paying for importing torch
     if not Path(script).exists():
         raise UserError(f"{script}: no such script")
+    output = output or f"{Path(script).stem}.trace"
+    if fake:
+        return _profile_fake(script, list(script_args), output, steps, timeout_s,
+                             step_boundary, engine, gpu, nproc, rank, quiet)
+    if gpu is not None or nproc != 1 or rank != 0:
+        raise UserError("--gpu, --nproc and --rank simulate a device: use them with --fake")
     from ..profile import profile_script
 
-    output = output or f"{Path(script).stem}.trace"
     result = profile_script(script, list(script_args), output, steps=steps or None,
                             timeout_s=timeout_s, step_boundary=step_boundary,
                             on_step=None if quiet else _progress, engine=engine,
@@ -75,3 +91,27 @@ def command(script, script_args, output, steps, timeout_s, step_boundary, engine
         click.echo(f"memadvisor: {result.status}: {result.error}", err=True)
     click.echo(f"memadvisor: kept partial trace {where}", err=True)
     return result.exit_code
+
+
+def _profile_fake(script, script_args, output, steps, timeout_s, step_boundary, engine, gpu,
+                  nproc, rank, quiet) -> int:
+    from pathlib import Path
+
+    from ..errors import UserError
+    from . import profile_fake
+    if engine == "native":
+        raise UserError("--fake records with the dispatch engine: the native engine follows "
+                        "the CPU allocator, which fake tensors never use")
+    if rank >= nproc:
+        raise UserError(f"--rank {rank} is not a rank of --nproc {nproc}")
+    if gpu is not None:
+        from ..gpus import gpu_profile
+        gpu = gpu_profile(gpu).name  # an unknown name fails here, before the child starts
+    if not Path(script).is_file():
+        raise UserError(f"{script}: is not a file, expected a Python script")
+    spec = {"script": str(script), "args": script_args, "output": str(output), "gpu": gpu,
+            "nproc": nproc, "rank": rank, "steps": steps, "timeout_s": timeout_s,
+            "step_boundary": step_boundary, "quiet": quiet}
+    result = profile_fake.run_child(spec)
+    sys.stdout.flush()
+    return profile_fake.report(result, spec, quiet)

@@ -37,6 +37,9 @@ class TrackingMode(TorchDispatchMode):
         self._internal_blocks: dict[int, int] = {}  # data ptr -> alloc row
         #: set by the session: notices the start of backward before the op is logged
         self.before_op = lambda args, kwargs: None
+        #: ``after_op(op_name, out)`` once an op's outputs are logged, where a caller adds
+        #: memory a kernel holds that is no tensor (fake execution's cuBLAS workspaces)
+        self.after_op = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -80,6 +83,8 @@ class TrackingMode(TorchDispatchMode):
             for storage in map(_storage, _tensors(out, None)):
                 if storage is not None:
                     recorder.mark(storage, schema.AUTOCAST_WEIGHT)
+        if self.after_op is not None:
+            self.after_op(op_name, out)
         key = (recorder.module, phase, op_name)
         stats = self.op_stats.get(key)
         if stats is None:

@@ -136,21 +136,30 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
                    output: str | os.PathLike = "memadvisor.trace", *, steps: int | None = 3,
                    timeout_s: float | None = None, step_boundary: str = "auto",
                    on_step=None, engine: str | None = None,
-                   probes: bool = True) -> ProfileResult:
-    """Profile ``script`` for ``steps`` steps and write the trace (always)."""
+                   probes: bool = True, extension=None) -> ProfileResult:
+    """Profile ``script`` for ``steps`` steps and write the trace (always).
+
+    ``extension`` (fake execution's, ``fake_run.FakeProfile``) adapts the run to another
+    execution: ``session_options()`` (extra ProfileSession arguments), ``attach(session)``
+    before the script runs, ``explain(status, error, exc)`` -> (error, traceback) for a
+    run that did not complete, ``finish(meta)`` before the trace is written, and
+    ``output_path(output)`` instead of the per-rank name."""
     script = Path(script)
     args = list(args or [])
     code = _compile_script(script)
-    output = rank_output_path(output)
+    output = extension.output_path(output) if extension else rank_output_path(output)
     _warm_up_imports()
-    if (engine or os.environ.get("MEMADVISOR_ENGINE")) == "native":
+    options = {"engine": engine, "probes": probes,
+               **(extension.session_options() if extension else {})}
+    if (options["engine"] or os.environ.get("MEMADVISOR_ENGINE")) == "native":
         from .native_engine import available
         ok, reason = available()
         if not ok:
             raise UserError(f"the native engine cannot run here: {reason}")
     session = ProfileSession(steps=steps, step_boundary=step_boundary, timeout_s=timeout_s,
-                             script=str(script.resolve()), on_step=on_step, engine=engine,
-                             probes=probes)
+                             script=str(script.resolve()), on_step=on_step, **options)
+    if extension:
+        extension.attach(session)
     status, exit_code, error, tb = "completed", 0, "", ""
     with _ScriptContext(script, args) as namespace:
         try:
@@ -171,15 +180,21 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
                          f"(after {done} step{'s' if done != 1 else ''})")
             else:
                 status, exit_code, error = "interrupted", EXIT_INTERRUPTED, "interrupted"
+            if extension:
+                error, tb = extension.explain(status, error, exc)
             del exc
         except BaseException as exc:  # the script's own error: keep the trace, report it
             status, exit_code = "error", EXIT_SCRIPT_ERROR
             error, tb = _one_line(exc), _user_traceback(exc)
+            if extension:
+                error, tb = extension.explain(status, error, exc)
             del exc
         finally:
             session.close()
             table, meta = session.build(script=str(script), args=args, status=status,
                                         error=error)
+            if extension:
+                extension.finish(meta)
             write_trace(output, table, meta)
     # the peak as every reader of the trace counts it (storages alive before recording
     # included), so the line profile prints agrees with `summary`

@@ -51,7 +51,8 @@ class ProfileSession:
     def __init__(self, steps: int | None = None, *, step_boundary: str = "auto",
                  timeout_s: float | None = None, script: str | None = None,
                  on_step: Callable[[dict], None] | None = None, native_hook: bool = True,
-                 engine: str | None = None, probes: bool = True):
+                 engine: str | None = None, probes: bool = True,
+                 recorder: EventRecorder | None = None):
         if step_boundary not in ("auto", "optimizer", "backward"):
             raise ValueError(f"step_boundary must be auto, optimizer or backward: {step_boundary}")
         engine = engine or os.environ.get("MEMADVISOR_ENGINE") or "auto"
@@ -71,7 +72,9 @@ class ProfileSession:
         self.on_step = on_step
         self.use_native_hook = native_hook
         self.native_status = "off"
-        self.recorder = EventRecorder()
+        #: ``recorder``: a caller's EventRecorder subclass (fake execution's counts bytes
+        #: per device for torch.cuda.memory_allocated); the dispatch engine uses it
+        self.recorder = recorder or EventRecorder()
         self.locator = SourceLocator((script,) if script else ())
         self.mode = TrackingMode(self.recorder, self.locator)
         self.modules = ModuleTracker(self._set_module, self._root_forward)

@@ -1,0 +1,187 @@
+"""Profile a script on fake tensors on a simulated GPU (``memadvisor profile --fake``).
+
+The script runs unmodified under ``memadvisor.fake.runtime.fake_execution`` with the
+dispatch engine recording (the native engine follows c10's CPU allocator, which fake
+tensors never touch), so the trace has the categories, modules, phases, steps and source
+lines of a real run, on device ``cuda:R`` with the fake tensors' dtypes and shapes.
+
+What a GPU holds that is no tensor is added by rule (``kernel_memory.py``: cuBLAS
+workspaces).  ``torch.cuda.memory_allocated()`` and friends answer from the recorder's
+live bytes on the device (:class:`DeviceBytesRecorder`); reserved equals allocated inside
+the run (there is no allocator model in the profiler: the command replays the trace
+through one afterwards).
+
+The native fake CUDA shim must have been loaded before torch was imported
+(``memadvisor.fake.preload``): this module imports torch.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from ..fake.placeholders import DataDependentLoop
+from ..fake.runtime import fake_execution
+from .kernel_memory import CublasWorkspaces
+from .recorder import EventRecorder, _DEVICE, _SIZE
+from .runner import ProfileResult, profile_script
+
+#: the caching allocator's smallest block and rounding step (kMinBlockSize)
+_BLOCK_ROUND_BYTES = 512
+
+
+def _block_bytes(size_bytes: int) -> int:
+    """A request's block as memory_allocated() counts it (no block for 0 bytes)."""
+    if size_bytes <= 0:
+        return 0
+    return -(-size_bytes // _BLOCK_ROUND_BYTES) * _BLOCK_ROUND_BYTES
+
+
+class DeviceBytesRecorder(EventRecorder):
+    """The event recorder, also counting live bytes per device: what the script's
+    ``torch.cuda.memory_allocated(i)`` answers (``fake.memory.MemoryStats``).  Requests
+    are rounded to 512 B as the caching allocator's blocks are; reserved memory is
+    reported equal to allocated (a lower bound: no segments are modelled while the
+    script runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self._device_live_bytes: dict[str, int] = {}
+        self._device_peak_bytes: dict[str, int] = {}
+
+    def _log_alloc(self, cdata, size, device, *args) -> int:
+        sid = super()._log_alloc(cdata, size, device, *args)
+        self._add(device, _block_bytes(size))
+        return sid
+
+    def _log_free(self, alloc_row: int) -> None:
+        row = self.rows[alloc_row]
+        super()._log_free(alloc_row)
+        self._add(row[_DEVICE], -_block_bytes(row[_SIZE]))
+
+    def _add(self, device: str, delta_bytes: int) -> None:
+        live = self._device_live_bytes.get(device, 0) + delta_bytes
+        self._device_live_bytes[device] = live
+        if live > self._device_peak_bytes.get(device, 0):
+            self._device_peak_bytes[device] = live
+
+    # --- fake.memory.MemoryStats ---------------------------------------------------------
+    def allocated_bytes(self, device_index: int) -> int:
+        return self._device_live_bytes.get(f"cuda:{device_index}", 0)
+
+    def peak_allocated_bytes(self, device_index: int) -> int:
+        return self._device_peak_bytes.get(f"cuda:{device_index}", 0)
+
+    reserved_bytes = allocated_bytes
+    peak_reserved_bytes = peak_allocated_bytes
+
+    def reset_peak(self, device_index: int) -> None:
+        device = f"cuda:{device_index}"
+        self._device_peak_bytes[device] = self._device_live_bytes.get(device, 0)
+
+
+class FakeProfile:
+    """The profiler's extension for fake execution (``runner.profile_script``)."""
+
+    def __init__(self, run, recorder: DeviceBytesRecorder, workspaces: CublasWorkspaces | None):
+        self.run = run
+        self.recorder = recorder
+        self.workspaces = workspaces
+
+    def output_path(self, output) -> Path:
+        # the rank was chosen on the command line: write where the user said
+        return Path(output)
+
+    def session_options(self) -> dict:
+        # the native engine and allocator hook follow real CPU memory: fake tensors have
+        # none; the bf16 probes would run real kernels
+        return {"engine": "dispatch", "native_hook": False, "probes": False,
+                "recorder": self.recorder}
+
+    def attach(self, session) -> None:
+        if self.workspaces is not None:
+            self.workspaces.attach(session)
+        on_step = session.on_step
+
+        def step_done(info: dict) -> None:
+            # a step ended (also one counted by backward): loops reading values per step
+            # are fine
+            self.run.placeholder_log.new_step()
+            if on_step is not None:
+                on_step(info)
+        session.on_step = step_done
+
+    def explain(self, status: str, error: str, exc: BaseException) -> tuple[str, str]:
+        """One line, naming the script's line, for a run fake execution could not finish."""
+        if isinstance(exc, DataDependentLoop):
+            return str(exc), ""
+        if status == "timeout":
+            busiest = self.run.placeholder_log.busiest_location()
+            if busiest is not None:
+                location, iterations = busiest
+                error += (f"; {location} read placeholder values in {iterations:,} loop "
+                          f"iterations since the last step: a loop on tensor values cannot "
+                          f"end under fake execution")
+            return error, ""
+        if status == "interrupted":
+            return error, ""
+        return f"{error} (at {_innermost_user_line(exc)})", ""
+
+    def finish(self, meta) -> None:
+        gpu = self.run.gpu
+        log = self.run.placeholder_log
+        first = {}
+        for use in log.uses:
+            if not use.inside_torch:
+                first.setdefault(use.location, use)
+        # counted by location beyond the first uses the log keeps
+        reads = Counter({location: log.count_by_location[location] for location in first})
+        meta.extra["fake"] = {
+            "gpu": gpu.name if gpu else None,
+            "device_name": gpu.device_name if gpu else "",
+            "nproc": self.run.num_ranks,
+            "rank": self.run.rank,
+            "placeholder_reads": [
+                {"location": location, "reads": count, "op": first[location].op,
+                 "value": first[location].value}
+                for location, count in reads.most_common()],
+            "placeholder_reads_inside_torch": sum(
+                1 for use in self.run.placeholder_log.uses if use.inside_torch),
+            "cublas_workspaces": self.workspaces.made if self.workspaces else [],
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
+        }
+        meta.allocator["fake"] = True
+        if gpu is not None:
+            meta.device_name = gpu.device_name
+
+
+def _innermost_user_line(exc: BaseException) -> str:
+    import traceback
+    package = str(Path(__file__).resolve().parents[1])
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
+              if not frame.filename.startswith(package)
+              and "site-packages" not in frame.filename and not frame.filename.startswith("<")]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown line"
+
+
+def profile_fake_script(script: str | os.PathLike, args: list[str], output: str | os.PathLike,
+                        *, gpu: str | None, num_ranks: int = 1, rank: int = 0,
+                        steps: int | None = 3, timeout_s: float | None = None,
+                        step_boundary: str = "auto", on_step=None) -> ProfileResult:
+    """Profile ``script`` under fake execution on ``gpu`` (None: fake CPU tensors, no GPU)
+    as ``rank`` of ``num_ranks``; the trace is always written (``ProfileResult``)."""
+    from ..gpus import gpu_profile
+    recorder = DeviceBytesRecorder()
+    profile = gpu_profile(gpu) if gpu is not None else None
+    workspaces = None
+    if profile is not None:
+        workspaces = CublasWorkspaces(profile.capability,
+                                      os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    with fake_execution(gpu, num_ranks, rank, memory_stats=recorder) as run:
+        extension = FakeProfile(run, recorder, workspaces)
+        return profile_script(script, args, output, steps=steps, timeout_s=timeout_s,
+                              step_boundary=step_boundary, on_step=on_step,
+                              extension=extension)
+
+
+__all__ = ["DeviceBytesRecorder", "FakeProfile", "profile_fake_script"]
