@@ -17,7 +17,7 @@ from ..trace.io import Trace
 from ..trace.summary import shorten_paths, summarize
 from ..units import format_bytes
 from .compare import compare_traces
-from .plans import PlanSection, predict_plans
+from .plans import PlanSection, out_of_memory_lines, predict_plans
 from .timeline import MAX_BUCKETS, StepTimeline, extreme_positions, step_timeline
 
 #: the predicted timeline is drawn half as wide as the measured one
@@ -58,6 +58,8 @@ class ReportData:
     comparison: dict[str, Any] | None = None
     baseline_path: str = ""
     generated_unix_s: float = 0.0
+    #: where the run runs out of the budget's (or the recorded device's) memory, as text
+    out_of_memory: list[str] = field(default_factory=list)
 
 
 def headline(summary: dict[str, Any], budget_bytes: int | None, num_gpus: int = 1) -> Headline:
@@ -110,4 +112,5 @@ def build_report(trace: Trace, *, budget_bytes: int | None = None, num_gpus: int
         headline=headline(summary, budget_bytes, num_gpus), plans=plans,
         source_code=source_code, comparison=comparison,
         baseline_path=baseline.path if baseline is not None else "",
-        generated_unix_s=time.time())
+        generated_unix_s=time.time(),
+        out_of_memory=out_of_memory_lines(trace, budget_bytes))

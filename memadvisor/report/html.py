@@ -160,6 +160,13 @@ def _timeline(page: _Page, data: ReportData) -> str:
             f"</section>")
 
 
+def _out_of_memory(data: ReportData) -> str:
+    if not data.out_of_memory:
+        return ""
+    return ('<section id="out-of-memory"><h2>Out of memory</h2><pre>'
+            + e("\n".join(data.out_of_memory)) + "</pre></section>")
+
+
 def _breakdown(page: _Page, data: ReportData) -> str:
     s = data.summary
     total = max(s["peak_bytes"], 1)
@@ -293,7 +300,8 @@ def render_html(data: ReportData, plotly_js: str | None = None) -> str:
 
         plotly_js = get_plotlyjs()
     page = _Page()
-    body = [_header(data), _headline(data), _timeline(page, data), _breakdown(page, data),
+    body = [_header(data), _headline(data), _out_of_memory(data), _timeline(page, data),
+            _breakdown(page, data),
             _sites(data), _modules(page, data), _plans(page, data), _comparison(page, data),
             _steps(data)]
     generated = _dt.datetime.fromtimestamp(data.generated_unix_s, _dt.timezone.utc)

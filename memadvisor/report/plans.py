@@ -171,3 +171,24 @@ def predict_plans(trace: Trace, *, plan_spec: str | None = None,
     message = "" if recommended else "no plan the simulator knows fits this budget"
     return PlanSection(available=True, message=message, predictions=predictions,
                        recommended=recommended, requested=requested)
+
+
+def out_of_memory_lines(trace: Trace, budget_bytes: int | None) -> list[str]:
+    """The simulator's out-of-memory post-mortem as lines of text: for a trace whose
+    allocator recorded running out, or a run that does not fit ``budget_bytes`` (taken as
+    the device's memory).  Empty when neither, or without the simulator."""
+    recorded = (trace.meta.allocator or {}).get("oom_events")
+    if not recorded and not budget_bytes:
+        return []
+    try:
+        oom = importlib.import_module("memadvisor.simulate.oom")
+    except ImportError:
+        return []
+    if recorded and not budget_bytes:
+        _, _, free = recorded[0]
+        budget_bytes = int((trace.meta.allocator or {}).get("peak_reserved_bytes", 0)) + int(free)
+    try:
+        found = oom.post_mortem(trace, int(budget_bytes))
+    except UserError as exc:
+        return [f"no post-mortem: {exc}"]
+    return oom.post_mortem_text(found).splitlines() if found is not None else []

@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..trace import analysis, schema
 from ..trace.io import Trace
 from ..trace.summary import _top_sites
-from .allocator import CachingAllocator
+from .allocator import CachingAllocator, replay
 
 TOP_SITES = 5
 
@@ -90,6 +90,12 @@ def _recorded(trace: Trace, capacity_bytes: int) -> OutOfMemory | None:
 
 def _modelled(trace: Trace, capacity_bytes: int) -> OutOfMemory | None:
     events = trace.events
+    if not (events["stream"] != 0).any():
+        # the compiled replay says quickly whether it fits at all; only a run that does not
+        # is walked request by request to find where
+        signed = analysis.signed_sizes(events.assign(block_bytes=0)).astype(np.float64)
+        if not replay(signed, events["storage_id"].to_numpy(), capacity_bytes).out_of_memory:
+            return None
     actions = (events["action"] == schema.ALLOC).to_numpy()
     sids = events["storage_id"].to_numpy()
     sizes = events["size_bytes"].to_numpy()

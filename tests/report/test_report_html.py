@@ -176,3 +176,19 @@ def test_report_modules_import_neither_torch_nor_dash():
             "bad = [m for m in ('torch', 'dash') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_report_says_where_a_run_runs_out_of_the_budget(tmp_path):
+    """A budget under what the run needs: the report names the failing request and what
+    was live (the allocator model's post-mortem); a budget it fits: no such section."""
+    from memadvisor.report import write_report
+    from memadvisor.report.synthetic import make_trace
+    from memadvisor.trace import read_trace
+    from memadvisor.trace.summary import summarize
+
+    trace = make_trace(tmp_path / "t.trace", 2_000)
+    peak = summarize(read_trace(trace))["peak_bytes"]
+    over = write_report(trace, tmp_path / "over.html", budget_bytes=peak // 2).read_text()
+    assert 'id="out-of-memory"' in over and "OUT OF MEMORY" in over
+    fits = write_report(trace, tmp_path / "fits.html", budget_bytes=peak * 4).read_text()
+    assert 'id="out-of-memory"' not in fits
