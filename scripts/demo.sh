@@ -2,7 +2,8 @@
 # Set up from scratch, then the main job on a bundled example: profile -> summary/advise -> report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+MEMADVISOR_SKIP_BROWSER=1 bash scripts/setup.sh  # the demo opens no browser
+export PATH="${VIRTUAL_ENV:-$PWD/.venv}/bin:$PATH"  # what scripts/setup.sh installed into
 mkdir -p reports
 EXAMPLE=${1:-gpt_lm}
 ARGS=()

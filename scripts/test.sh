@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec python3 -m pytest -q -p no:cacheprovider "$@"
+VENV=${VIRTUAL_ENV:-$PWD/.venv}
+# the venv's tools first: tests start `memadvisor` and `python` in subprocesses
+export PATH="$VENV/bin:$PATH"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
