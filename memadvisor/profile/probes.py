@@ -11,7 +11,12 @@ forward and backward in fp32 and in bf16, and the untyped blocks its kernels all
 written to the trace (``meta.probes``).  The simulator, which imports no torch, maps the
 trace onto them (``simulate.precision``).
 
-* ``convolution``: per module, the blocks of one call in order, per direction and dtype;
+* ``convolution``: per module, the blocks of one call in order, per direction and dtype
+  (``raw_bytes``), and each call's blocks with their lifetimes among the op's own
+  tensors (``calls``: fp32, bf16, and bf16 at half the batch, ``batch``): a kernel picks
+  its algorithm by ISA (oneDNN's bf16 kernels on an AVX-512 or AMX CPU, ATen's im2col
+  fallback where oneDNN has no bf16: one data-sized block instead of several), so the
+  bf16 blocks are taken as measured, never mapped one to one onto the fp32 ones;
 * ``linear``: per module, the bytes of the forward matmul's blocks and of the backward's
   input-gradient and weight-gradient matmuls, at the recorded rows and at half of them
   (how much of a block follows the micro-batch), in bf16; and how many blocks fp32 made.
@@ -101,6 +106,31 @@ def _raw_blocks(frame, op_filter: str | None) -> dict[str, list[int]]:
             "backward": [int(b) for b in raw.loc[backward, "size_bytes"]]}
 
 
+def _call_events(frame, direction: str) -> dict:
+    """One convolution call's blocks in ``direction`` ('forward' or 'backward') as the op
+    made them: ``raw`` [[bytes, alloc position, free position]] and ``typed`` [[shape,
+    position]] (the op's own tensors: output, gradients), positions counted over the op's
+    allocations and its blocks' frees (``length`` of them; a block never freed inside the
+    run frees at ``length``)."""
+    op = frame["op"].astype(str)
+    mine = op.str.contains("convolution") & (op.str.contains("backward")
+                                             == (direction == "backward"))
+    frame = frame[mine].sort_values("seq")
+    raw_ids = set(frame.loc[(frame["action"] == schema.ALLOC)
+                            & (frame["dtype"] == schema.RAW_BYTES_DTYPE), "storage_id"])
+    events = frame[(frame["action"] == schema.ALLOC) | frame["storage_id"].isin(raw_ids)]
+    raw: dict[int, list] = {}
+    typed: list[list] = []
+    for position, row in enumerate(events.itertuples(index=False)):
+        if row.action == schema.ALLOC and row.storage_id in raw_ids:
+            raw[row.storage_id] = [int(row.size_bytes), position, len(events)]
+        elif row.action == schema.ALLOC:
+            typed.append([str(row.shape), position])
+        elif row.storage_id in raw:
+            raw[row.storage_id][2] = position
+    return {"raw": list(raw.values()), "typed": typed, "length": len(events)}
+
+
 def _half(spec: dict) -> dict | None:
     shape = spec["input_shape"]
     if len(shape) < 2 or int(shape[0]) < 2:
@@ -111,7 +141,12 @@ def _half(spec: dict) -> dict | None:
 def _runs(kind: str, spec: dict) -> dict[str, tuple[dict, str]]:
     """The runs a module's probe needs: tag -> (spec, dtype)."""
     if kind == "convolution":
-        return {name: (spec, name) for name in PROBE_DTYPES}
+        runs = {name: (spec, name) for name in PROBE_DTYPES}
+        batched = len(spec["input_shape"]) == len(spec["kwargs"]["kernel_size"]) + 2
+        half = _half(spec) if batched else None
+        if half is not None:  # how much of each bf16 block follows the batch
+            runs["bfloat16-half"] = (half, "bfloat16")
+        return runs
     runs = {"float32": (spec, "float32")}
     for size, case in (("full", spec), ("half", _half(spec))):
         if case is None:
@@ -122,10 +157,18 @@ def _runs(kind: str, spec: dict) -> dict[str, tuple[dict, str]]:
     return runs
 
 
-def _entry(kind: str, spec: dict, blocks: dict[str, dict[str, list[int]]]) -> dict:
-    """A probe entry from its runs' blocks (see the module doc)."""
+def _entry(kind: str, spec: dict, blocks: dict[str, dict[str, list[int]]],
+           calls: dict[str, dict] | None = None) -> dict:
+    """A probe entry from its runs' blocks (see the module doc); ``calls``: each
+    convolution run's ``_call_events`` per direction."""
     if kind == "convolution":
-        return {"raw_bytes": {name: blocks[name] for name in PROBE_DTYPES}}
+        out = {"raw_bytes": {name: blocks[name] for name in PROBE_DTYPES}}
+        if calls:
+            batch = int(spec["input_shape"][0])
+            out["calls"] = calls
+            out["batch"] = {tag: batch // 2 if tag.endswith("-half") else batch
+                            for tag in calls}
+        return out
     shape = spec["input_shape"]
     rows = 1
     for d in shape[:-1]:
@@ -198,9 +241,17 @@ def probe_modules(specs: dict[str, tuple[str, dict]], session_factory: Callable,
         table, _ = session.build()
     frame = table.to_pandas()
     seq = frame["seq"].to_numpy()
-    measured = {key: _entry(unique[key][0], unique[key][1], {
-        tag: _raw_blocks(frame[(seq >= first) & (seq < last)], op_filter)
-        for tag, (first, last, op_filter) in mine.items()}) for key, mine in ranges.items()}
+    measured = {}
+    for key, mine in ranges.items():
+        runs = {tag: frame[(seq >= first) & (seq < last)]
+                for tag, (first, last, _) in mine.items()}
+        blocks = {tag: _raw_blocks(runs[tag], op_filter)
+                  for tag, (_, _, op_filter) in mine.items()}
+        calls = None
+        if unique[key][0] == "convolution":
+            calls = {tag: {d: _call_events(runs[tag], d) for d in ("forward", "backward")}
+                     for tag in runs}
+        measured[key] = _entry(unique[key][0], unique[key][1], blocks, calls)
     out: dict[str, list[dict]] = {}
     for path, (kind, spec) in specs.items():
         entry = {"module": path, "input_shape": spec["input_shape"],

@@ -66,14 +66,17 @@ def probed_matmul_parts(entry: dict, kind: str, low: str) -> tuple[float, float]
 
 
 def matmul_scratch(out: Timeline, original_rows: int, low: str,
-                    device_type: str, probes: dict) -> Timeline:
+                    device_type: str, probes: dict,
+                    recorded_alloc_key: np.ndarray | None = None) -> Timeline:
     """The scratch blocks 16-bit matmuls allocate on targets with a ``matmul_scratch``
     rule (oneDNN's bf16 matmul on CPU: none in an fp32 trace, MKL's fp32 gemm allocates
     none).  Each is a raw block made right after the matmul's output and freed at once.
     Its size is the profiler's probe of that Linear (``meta.probes['linear']``) where the
     trace has one, else the rule's formula (fitted to one CPU's oneDNN blocking): the
     inner dimension from the module's 2-D parameters (a Linear's weight), the rows of a
-    weight gradient's inner dimension from the module's forward matmul."""
+    weight gradient's inner dimension from the module's forward matmul.
+    ``recorded_alloc_key``: the rows' keys before the plan moved any (autocast casts an
+    fp32 .grad later than its 16-bit matmul ran)."""
     rule = device_rules(device_type).get("matmul_scratch")
     if not rule or low not in rule["dtypes"]:
         return out
@@ -89,6 +92,9 @@ def matmul_scratch(out: Timeline, original_rows: int, low: str,
     fp32_gradient = (out.category_mask(schema.GRADIENT)[rows] & ~is_low
                      & np.isin(out.module[rows], low_modules))
     matmul = rows[candidate & (is_low | fp32_gradient)]
+    matmul_key = out.alloc_key.copy()
+    if recorded_alloc_key is not None:
+        matmul_key[:len(recorded_alloc_key)] = recorded_alloc_key
     cast_later = np.zeros(len(out), bool)
     cast_later[rows[candidate & fp32_gradient]] = True
     if not len(matmul):
@@ -125,10 +131,10 @@ def matmul_scratch(out: Timeline, original_rows: int, low: str,
             # gradient is a one-event instance added into .grad, the block meets it there.
             # Under autocast the block belongs to the 16-bit gradient (made at -0.25) and
             # is gone before that is cast into the fp32 .grad
-            start = float(out.alloc_key[row]) - (0.24 if cast_later[row] else 0.3)
-            end = float(out.alloc_key[row]) - 0.1 if cast_later[row] else None
+            start = float(matmul_key[row]) - (0.24 if cast_later[row] else 0.3)
+            end = float(matmul_key[row]) - 0.1 if cast_later[row] else None
         else:
-            start = float(out.alloc_key[row]) + 0.3
+            start = float(matmul_key[row]) + 0.3
             end = None
             batch_rows = bool(out.scales_with_batch[row])
             if out.phase[row] == _FORWARD:
@@ -144,7 +150,7 @@ def matmul_scratch(out: Timeline, original_rows: int, low: str,
             if nbytes > 0:
                 add["size"].append(nbytes)
                 add["alloc_key"].append(start)
-                add["free_key"].append(float(out.alloc_key[row]) + 0.4 if end is None
+                add["free_key"].append(float(matmul_key[row]) + 0.4 if end is None
                                        else end)
                 add["module"].append(module)
                 add["phase"].append(out.phase[row])
@@ -166,22 +172,30 @@ def _parts(probed: dict, path: str, kind: str, low: str) -> tuple[float, float] 
     return probed_matmul_parts(entry, kind, low) if entry else None
 
 
-def probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict) -> Timeline:
-    """A convolution's untyped kernel blocks (oneDNN's reorders and scratch on CPU) as the
-    profiler measured the same module in ``low`` (``meta.probes``, profile/probes.py).
+def probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict,
+                       recorded_alloc_key: np.ndarray | None = None) -> Timeline:
+    """A convolution's untyped kernel blocks (oneDNN's reorders and scratch, or ATen's
+    im2col buffer where oneDNN has no 16-bit kernel for the ISA) as the profiler measured
+    the same module in ``low`` on the machine that recorded the trace (``meta.probes``,
+    profile/probes.py).
 
-    The trace's blocks of each call are matched in order with the probe's fp32 blocks and
-    each is scaled by the probe's ``low`` / fp32 ratio: a data-sized reorder halves (and,
-    being batch-sized, still follows the micro-batch).  Blocks only the 16-bit kernel
-    makes (oneDNN's bf16 weight-gradient scratch, where fp32 needs none; it comes last)
-    are added after the call's last block, alive for a moment beside the blocks still
-    held, at their measured, batch-independent size.  A module without a probe keeps its
-    recorded blocks."""
+    Where the probe recorded each call's blocks with their lifetimes (``calls``), every
+    call's recorded fp32 blocks are replaced by the 16-bit call's, each placed among the
+    call's own tensors (output, gradients) as the probe saw it and split into a
+    batch-independent and a batch-proportional part by the probe at half the batch
+    (``_replace_conv_calls``): the kernel the ISA picks decides how many blocks there are
+    and which live together, so nothing is assumed of the fp32 ones.  Older probes (block
+    sizes only): the trace's blocks of each call are matched in order with the probe's
+    fp32 blocks and each is scaled by the probe's ``low`` / fp32 ratio; blocks only the
+    16-bit kernel makes are added after the call's last block.  A module without a probe
+    keeps its recorded blocks.  ``recorded_alloc_key``: the keys of the rows the
+    convolution made, before the plan moved any (autocast casts an fp32 .grad after its
+    16-bit kernel ran); rows past them were added by the plan (casts, weight copies)."""
     if not device_rules(device_type).get("conv_probes"):
         return out
-    measured = {e["module"]: e["raw_bytes"] for e in probes.get("convolution", ())
-                if low in e.get("raw_bytes", {}) and "float32" in e.get("raw_bytes", {})}
-    if not measured:
+    entries = {e["module"]: e for e in probes.get("convolution", ())
+               if low in e.get("raw_bytes", {}) and "float32" in e.get("raw_bytes", {})}
+    if not entries:
         return out
     raw = out.dtype_in((schema.RAW_BYTES_DTYPE,))
     conv = [i for i, name in enumerate(out.ops) if "convolution" in name]
@@ -189,14 +203,27 @@ def probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict) 
                     "backward": [i for i in conv if "backward" in out.ops[i]]}
     size = out.size.copy()
     extra: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
-                                               "phase", "op")}
-    for path, blocks in measured.items():
+                                               "phase", "op", "scales_with_batch")}
+    key = out.alloc_key.copy()
+    if recorded_alloc_key is not None:
+        key[:len(recorded_alloc_key)] = recorded_alloc_key
+    recorded_rows = np.arange(len(out)) < len(key if recorded_alloc_key is None
+                                               else recorded_alloc_key)
+    for path, entry in entries.items():
         if path not in out.modules:
             continue
-        own = raw & (out.module == out.modules.index(path))
+        code = out.modules.index(path)
+        own = out.module == code
+        scales = bool((own & np.isin(out.op, by_direction["forward"]) & ~raw
+                       & out.scales_with_batch).any())
         for direction, codes in by_direction.items():
+            if _replace_conv_calls(out, entry, direction, low,
+                                   own & np.isin(out.op, codes) & recorded_rows,
+                                   raw, scales, key, size, extra):
+                continue
+            blocks = entry["raw_bytes"]
             recorded, target = blocks["float32"][direction], blocks[low][direction]
-            rows = np.flatnonzero(own & np.isin(out.op, codes))
+            rows = np.flatnonzero(own & raw & np.isin(out.op, codes))
             count = len(recorded)
             if not count or len(rows) % count:
                 continue
@@ -214,6 +241,7 @@ def probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict) 
                     extra["module"].append(out.module[last])
                     extra["phase"].append(out.phase[last])
                     extra["op"].append(out.op[last])
+                    extra["scales_with_batch"].append(False)
     out = out.resized(size)
     if not extra["size"]:
         return out
@@ -224,6 +252,72 @@ def probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict) 
                          "phase": np.asarray(extra["phase"], np.int8),
                          "shape": np.array([str(int(x)) for x in extra["size"]],
                                            dtype=object)})
+
+
+def _batch_parts(full: dict, half: dict | None, ratio: float) -> list[tuple[float, float]]:
+    """(batch-independent, batch-proportional) bytes of each block of a 16-bit call from
+    the probe at the recorded batch and at ``ratio`` of it; all batch-independent where
+    the smaller batch's kernel made other blocks (another algorithm: nothing to say)."""
+    if not half or ratio >= 1 or [b[1:] for b in half["raw"]] != [b[1:] for b in full["raw"]]:
+        return [(float(b[0]), 0.0) for b in full["raw"]]
+    parts = []
+    for (nbytes, *_), (smaller, *_) in zip(full["raw"], half["raw"]):
+        proportional = min(max((nbytes - smaller) / (1 - ratio), 0.0), float(nbytes))
+        parts.append((nbytes - proportional, proportional))
+    return parts
+
+
+def _replace_conv_calls(out: Timeline, entry: dict, direction: str, low: str,
+                        rows_of_op: np.ndarray, raw: np.ndarray, scales: bool,
+                        key: np.ndarray, size: np.ndarray, extra: dict) -> bool:
+    """Each recorded call of a module's convolution in ``direction``: its fp32 blocks out
+    (``size`` 0), the probe's ``low`` blocks in, their allocations and frees placed
+    between the call's own tensors where the probe saw them (a block alive while the
+    output is made meets it; one freed before does not).  False where the probe has no
+    such record or the trace's calls do not look like the probe's fp32 one."""
+    calls = entry.get("calls") or {}
+    if low != "bfloat16" or "bfloat16" not in calls or "float32" not in calls:
+        return False
+    fp32, bf16 = calls["float32"][direction], calls["bfloat16"][direction]
+    per_call_raw, per_call = len(fp32["raw"]), len(fp32["raw"]) + len(fp32["typed"])
+    rows = np.flatnonzero(rows_of_op & (key >= 0))
+    if not per_call or not len(rows) or len(rows) % per_call:
+        return False
+    rows = rows[np.argsort(key[rows], kind="stable")].reshape(-1, per_call)
+    if any(int(raw[call].sum()) != per_call_raw for call in rows):
+        return False
+    batch = entry.get("batch") or {}
+    half = calls.get("bfloat16-half", {}).get(direction)
+    ratio = (batch.get("bfloat16-half", 0) / batch["bfloat16"]) if batch.get("bfloat16") \
+        else 1.0
+    parts = _batch_parts(bf16, half, ratio)
+    for call in rows:
+        mine_raw, typed = call[raw[call]], call[~raw[call]]
+        size[mine_raw] = 0.0
+        ends = np.concatenate([key[call], out.free_key[mine_raw]])
+        ends = ends[np.isfinite(ends)]
+        anchors = [(-1, float(key[call].min()) - 0.5)]
+        unused = list(typed)
+        for shape, position in bf16["typed"]:
+            found = next((r for r in unused if out.shape[r] == shape), None)
+            if found is not None and key[found] > anchors[-1][1]:
+                unused.remove(found)
+                anchors.append((position, float(key[found])))
+        anchors.append((bf16["length"], max(float(ends.max()), anchors[-1][1]) + 0.45))
+        positions = np.array([a[0] for a in anchors], float)
+        keys = np.array([a[1] for a in anchors])
+        for (_, alloc_at, free_at), (fixed, proportional) in zip(bf16["raw"], parts):
+            start, end = np.interp([alloc_at, free_at], positions, keys)
+            for nbytes, scaled in ((fixed, False), (proportional, scales)):
+                if nbytes > 0:
+                    extra["size"].append(float(nbytes))
+                    extra["alloc_key"].append(float(start))
+                    extra["free_key"].append(float(end))
+                    extra["module"].append(out.module[call[0]])
+                    extra["phase"].append(out.phase[call[0]])
+                    extra["op"].append(out.op[call[0]])
+                    extra["scales_with_batch"].append(scaled)
+    return True
 
 
 def data_sized_kernel_blocks(timeline: Timeline, low_now: np.ndarray) -> np.ndarray:

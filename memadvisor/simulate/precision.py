@@ -79,8 +79,9 @@ def apply_precision(timeline: Timeline, precision: str, device_type: str,
                         module_types)
         out = _cast_inputs(out, batch or {}, module_parameter_bytes or {}, low,
                            device_rules(device_type)["autocast_lower"], len(timeline))
-    out = matmul_scratch(out, len(timeline), low, device_type, probes or {})
-    out = probed_conv_blocks(out, low, device_type, probes or {})
+    out = matmul_scratch(out, len(timeline), low, device_type, probes or {},
+                         timeline.alloc_key)
+    out = probed_conv_blocks(out, low, device_type, probes or {}, timeline.alloc_key)
     return _fp32_outputs(out, len(timeline))
 
 
@@ -334,6 +335,9 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     forward_events = np.flatnonzero(timeline.event_phase == _FORWARD)
     forward_end = float(forward_events[-1]) + 0.5 if len(forward_events) else 0.0
     first_owner = _first_owner(timeline, module_parameter_bytes)
+    grads = np.flatnonzero(timeline.category_mask(schema.GRADIENT) & (timeline.alloc_key >= 0)
+                           & (timeline.phase == _BACKWARD) & np.isin(timeline.module, list(ran_low)))
+    cast_key = _gradient_casts(timeline, grads)
     for code in sorted(ran_low):
         path = str(modules[code])
         owned = module_parameter_bytes.get(path, 0)
@@ -348,8 +352,7 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
         start = float(fwd.min()) - 0.5
         # a saved copy goes with its op's backward node, before that node's weight gradient
         # is cast into the fp32 .grad (the module's first gradient row)
-        grads_made = timeline.alloc_key[in_module & (timeline.phase == _BACKWARD)
-                                        & timeline.category_mask(schema.GRADIENT)]
+        grads_made = cast_key[timeline.module[grads] == code]
         done = (float(grads_made.min()) - 0.05 if len(grads_made)
                 else float(bwd.max()) + 0.5 if len(bwd) else None)
         end = done if saved and done is not None else max(forward_end, float(fwd.max()) + 0.5)
@@ -373,17 +376,50 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     if rows["size"]:
         rows["dtype"] = [low_code] * len(rows["size"])
         out = out.appended({k: np.asarray(v) for k, v in rows.items()})
-    # the 16-bit gradient of each weight copy, cast into the fp32 .grad right away
-    grads = np.flatnonzero(timeline.category_mask(schema.GRADIENT)
-                           & (timeline.phase == _BACKWARD) & np.isin(timeline.module, list(ran_low)))
+    # the 16-bit gradient of each weight copy, made by its matmul where the fp32 trace
+    # made the .grad, and cast into the fp32 .grad once the node is done (_gradient_casts)
     if len(grads):
+        alloc_key = out.alloc_key.copy()
+        alloc_key[grads] = cast_key
+        out = out.retimed(alloc_key, out.free_key)
         out = out.appended({
             "size": timeline.size[grads] * itemsize_ratio,
             "alloc_key": timeline.alloc_key[grads] - 0.25,
-            "free_key": timeline.alloc_key[grads] + 0.25,
+            "free_key": cast_key + 0.005,
             "module": timeline.module[grads], "phase": np.full(len(grads), _BACKWARD, np.int8),
             "dtype": np.full(len(grads), low_code, np.int16),
             "shape": timeline.shape[grads]})
+    return out
+
+
+def _gradient_casts(timeline: Timeline, grads: np.ndarray) -> np.ndarray:
+    """When autocast's 16-bit weight gradients (``grads``: the fp32 trace's .grad rows)
+    become fp32 .grad: AccumulateGrad casts them after their backward node is done, i.e.
+    after the frees that follow the node's outputs in the fp32 trace (its incoming
+    gradient, the activations it saved, the weight copy) and before the next node
+    allocates.  The node's own weight and bias gradients keep their order.  In an fp32
+    trace the matmul makes the .grad itself: taken at that key, a 16-bit plan's peak
+    would hold the .grad beside the saved activations it outlives only in fp32."""
+    if not len(grads):
+        return np.zeros(0)
+    recorded = np.flatnonzero(timeline.alloc_key >= 0)
+    keys = timeline.alloc_key[recorded]
+    order = np.argsort(keys, kind="stable")
+    keys, recorded = keys[order], recorded[order]
+    gradient = timeline.category_mask(schema.GRADIENT)
+    out = np.empty(len(grads))
+    for i, row in enumerate(grads):
+        key = float(timeline.alloc_key[row])
+        later = np.flatnonzero(keys > key)
+        same_node = gradient[recorded[later]] & (timeline.module[recorded[later]]
+                                                 == timeline.module[row])
+        following = later[~same_node]
+        out[i] = float(keys[following[0]]) - 0.2 if len(following) else key + 0.5
+    # several gradients cast at one point: in their recorded order
+    for point in np.unique(out):
+        at = np.flatnonzero(out == point)
+        at = at[np.argsort(timeline.alloc_key[grads[at]], kind="stable")]
+        out[at] = point + 0.01 * np.arange(len(at))
     return out
 
 

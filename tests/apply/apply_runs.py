@@ -115,5 +115,64 @@ def relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> 
     return float((a - e).norm() / e.norm())
 
 
+#: Float tolerance of "the same math, summed in another order".  Splitting the batch over
+#: W ranks and K micro-batches turns every gradient sum into P = W x K partial sums added
+#: in another order (gloo's all-reduce, accumulation into .grad), and the reference runs on
+#: another thread count (MKL splits its sums by thread).  A sum of n floats reordered
+#: changes by at most ~(P + log2 n) * u * sum|x| (u: the dtype's unit roundoff, eps / 2);
+#: the optimizer carries the relative change of a gradient into its step (Adam's update is
+#: scale-free: its relative change is the gradient's), summed over a few steps.  So the
+#: relative parameter error is bounded by REORDER_FACTOR * P * eps, where REORDER_FACTOR
+#: covers the steps (3-5) and the gradients' cancellation sum|x| / |sum x| (measured here:
+#: at most 1.8e-7 = 0.75 P eps for P = 2, so the factor 40 leaves 50x).  It follows the dtype
+#: (bf16's eps is 65,536 x fp32's) and the number of parts, not one CPU's kernels.
+REORDER_FACTOR = 40
+
+
+def reorder_tolerance(parts: int, dtype: torch.dtype = torch.float32) -> float:
+    """Relative error allowed between two runs of the same math over ``parts`` partial
+    sums of each gradient (world x accum; 1 for an unsplit run on another thread count)."""
+    return REORDER_FACTOR * max(int(parts), 2) * torch.finfo(dtype).eps
+
+
+def thread_spread(script: Path, args: list[str]) -> list[float]:
+    """Per parameter tensor: how far the *unmodified* script's result moves when only its
+    summation order changes (1 thread against 2).  A parameter whose gradient is zero in
+    exact arithmetic (an attention key bias: softmax ignores a shift of its scores) gets
+    rounding noise for a gradient, and Adam turns noise into lr-sized steps: its value is
+    set by the order of the sums, on any machine, plan or no plan (grad_accum.py's key
+    biases: 7e-3 of their norm between 1 and 2 threads, everything else below 3e-7)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_original(script, args)
+        torch.set_num_threads(2)
+        two = run_original(script, args)
+    finally:
+        torch.set_num_threads(threads)
+    return [float((a.double() - b.double()).norm()) for a, b in zip(one, two)]
+
+
+def same_math_error(actual: list[torch.Tensor], expected: list[torch.Tensor], parts: int,
+                    spread: list[float] | None = None) -> float:
+    """``relative_error`` over the parameters whose value the summation order does not
+    decide, divided by ``reorder_tolerance`` (a pass is <= 1).  With ``spread``
+    (``thread_spread`` of the reference), a tensor whose own reference moves by more than
+    that tolerance when only the thread count changes is held instead to 4x that
+    movement (it is noise-driven; anything the plan broke moves the other tensors too)."""
+    limit = reorder_tolerance(parts, expected[0].dtype if expected else torch.float32)
+    keep_actual, keep_expected, worst = [], [], 0.0
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        own = float(e.detach().double().norm())
+        if spread is not None and spread[i] > limit * max(own, 1e-12):
+            worst = max(worst, float((a.double() - e.double()).norm()) / (4 * spread[i]))
+            continue
+        keep_actual.append(a)
+        keep_expected.append(e)
+    if keep_expected:
+        worst = max(worst, relative_error(keep_actual, keep_expected) / limit)
+    return worst
+
+
 def _slug(plan: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in plan)

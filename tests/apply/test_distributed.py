@@ -13,6 +13,7 @@ import pytest
 
 from apply_runs import (
     EXAMPLE_ARGS, EXAMPLES, FIXTURES, relative_error, run_distributed, run_original,
+    same_math_error, thread_spread,
 )
 
 TWO_RANKS = [
@@ -23,7 +24,16 @@ TWO_RANKS = [
 ]
 FOUR_RANKS = ["shard=zero3,world=4,hybrid=2", "shard=zero1,world=4,hybrid=2",
               "shard=zero2,world=4,hybrid=2,accum=2,checkpoint=auto"]
-EXACT, PRECISION_TOLERANCE, BATCH_NORM_SPLIT_TOLERANCE = 1e-5, 1e-2, 5e-2
+#: math-preserving plans: same_math_error (apply_runs.reorder_tolerance: dtype and the
+#: number of partial sums each gradient is split into, world x accum)
+PRECISION_TOLERANCE, BATCH_NORM_SPLIT_TOLERANCE = 1e-2, 5e-2
+
+
+def parts(plan: str) -> int:
+    """Partial sums each gradient is split into: world x accum."""
+    world = int(re.search(r"world=(\d+)", plan).group(1))
+    match = re.search(r"accum=(\d+)", plan)
+    return world * (int(match.group(1)) if match else 1)
 
 
 def single_process_equivalent(plan: str) -> str:
@@ -45,17 +55,21 @@ def check(results, runs):
         to_original = relative_error(params, runs.original(name, EXAMPLE_ARGS[name]))
         errors[name, plan] = (to_original, to_single)
         # the batch split is the one the single-process equivalent makes
-        limit = PRECISION_TOLERANCE if "precision=" in plan else EXACT
-        assert to_single <= limit, (name, plan, equivalent, to_single)
+        if "precision=" in plan:
+            assert to_single <= PRECISION_TOLERANCE, (name, plan, equivalent, to_single)
+        else:
+            assert same_math_error(params, single, parts(plan)) <= 1, \
+                (name, plan, equivalent, to_single)
         if "optimizer=" in plan:
             continue  # a different optimizer: only the equivalent applies
         if name == "cnn_classifier.py":
-            limit = BATCH_NORM_SPLIT_TOLERANCE
+            assert to_original <= BATCH_NORM_SPLIT_TOLERANCE, (name, plan, to_original)
         elif "precision=" in plan:
-            limit = PRECISION_TOLERANCE
+            assert to_original <= PRECISION_TOLERANCE, (name, plan, to_original)
         else:
-            limit = EXACT
-        assert to_original <= limit, (name, plan, to_original)
+            original = runs.original(name, EXAMPLE_ARGS[name])
+            assert same_math_error(params, original, parts(plan)) <= 1, \
+                (name, plan, to_original)
     return errors
 
 
@@ -81,6 +95,25 @@ def test_single_process_equivalent():
     assert single_process_equivalent("shard=zero3,world=2,accum=2,checkpoint=auto") == \
         "accum=4,checkpoint=auto"
     assert single_process_equivalent("shard=zero1,world=4,hybrid=2") == "accum=4"
+    assert parts("shard=zero3,world=2,accum=2,checkpoint=auto") == 4
+
+
+def test_same_math_error_catches_a_wrong_step_and_ignores_noise_driven_tensors():
+    import torch
+    torch.manual_seed(0)
+    reference = [torch.randn(64, 32), torch.randn(32)]
+    # every tensor off by a mis-scaled gradient's step (lr 1e-3): far beyond the tolerance
+    wrong = [t - 1e-3 * torch.sign(t) for t in reference]
+    assert same_math_error(wrong, reference, 2) > 100
+    # rounding-order noise (a few ulps) passes
+    ulps = [t * (1 + 2 * torch.finfo(t.dtype).eps) for t in reference]
+    assert same_math_error(ulps, reference, 2) <= 1
+    # a noise-driven tensor (its reference moves between thread counts) is held to that
+    # movement; the same deviation without the spread fails
+    noisy = [reference[0], reference[1] + 1e-3]
+    spread = [0.0, float((torch.full((32,), 1e-3)).norm())]
+    assert same_math_error(noisy, reference, 2) > 1
+    assert same_math_error(noisy, reference, 2, spread) <= 1
 
 
 @pytest.mark.slow
@@ -94,7 +127,15 @@ def test_two_ranks(tmp_path, runs):
     for (name, plan, args, exact), params in zip(FOREIGN, foreign_params):
         original = run_original(FIXTURES / name, args)
         error = relative_error(params, original)
-        assert (error <= EXACT) if exact else (0 < error < 0.5), (name, plan, error)
+        if exact:
+            # a script nobody here wrote may hold parameters whose value rounding noise
+            # decides (grad_accum.py's attention key biases): held to the unmodified
+            # script's own movement between thread counts (apply_runs.thread_spread)
+            spread = thread_spread(FIXTURES / name, args)
+            assert same_math_error(params, original, parts(plan), spread) <= 1, \
+                (name, plan, error)
+        else:
+            assert 0 < error < 0.5, (name, plan, error)
 
 
 @pytest.mark.slow
