@@ -73,3 +73,32 @@ def test_probed_matmul_parts_split_fixed_and_batch_sized_bytes():
     assert probed_matmul_parts(entry, "forward", "float16") is None
     # fp32 made blocks of its own: the trace holds them, the probe cannot be added on top
     assert probed_matmul_parts(dict(entry, float32_blocks=2), "forward", "bfloat16") is None
+
+
+def test_each_probe_records_its_calls_blocks_among_the_ops_tensors(baseline):
+    for entry in baseline.meta.probes["convolution"]:
+        calls = entry["calls"]
+        assert set(calls) == {"float32", "bfloat16", "bfloat16-half"}
+        assert entry["batch"] == {"float32": BATCH, "bfloat16": BATCH,
+                                  "bfloat16-half": BATCH // 2}
+        for tag in ("float32", "bfloat16"):
+            for direction in ("forward", "backward"):
+                call = calls[tag][direction]
+                # the same blocks as the sizes-only record, each freed after it was made
+                assert [b[0] for b in call["raw"]] == entry["raw_bytes"][tag][direction]
+                assert all(0 <= made < freed <= call["length"] for _, made, freed in call["raw"])
+        # the forward's tensor is the output, (B, C_out, H, W)
+        assert [shape.split(",")[0] for shape, _ in calls["bfloat16"]["forward"]["typed"]] \
+            == [str(BATCH)]
+
+
+def test_a_blocks_batch_part_comes_from_the_half_batch_probe():
+    from memadvisor.simulate.kernel_blocks import _batch_parts
+
+    full = {"raw": [[147456, 0, 2], [64, 3, 4]]}
+    half = {"raw": [[73728, 0, 2], [64, 3, 4]]}
+    assert _batch_parts(full, half, 0.5) == [(0.0, 147456.0), (64.0, 0.0)]
+    # the smaller batch ran another algorithm: nothing to say, all batch-independent
+    other = {"raw": [[9000, 0, 1]]}
+    assert _batch_parts(full, other, 0.5) == [(147456.0, 0.0), (64.0, 0.0)]
+    assert _batch_parts(full, None, 0.5) == [(147456.0, 0.0), (64.0, 0.0)]
