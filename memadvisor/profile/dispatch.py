@@ -37,7 +37,7 @@ class TrackingMode(TorchDispatchMode):
         self._internal_blocks: dict[int, int] = {}  # data ptr -> alloc row
         #: set by the session: notices the start of backward before the op is logged
         self.before_op = lambda args, kwargs: None
-        #: ``after_op(op_name, out)`` once an op's outputs are logged, where a caller adds
+        #: ``after_op(op_name, args, out)`` once an op's outputs are logged, where a caller adds
         #: memory a kernel holds that is no tensor (fake execution's cuBLAS workspaces)
         self.after_op = None
 
@@ -84,7 +84,7 @@ class TrackingMode(TorchDispatchMode):
                 if storage is not None:
                     recorder.mark(storage, schema.AUTOCAST_WEIGHT)
         if self.after_op is not None:
-            self.after_op(op_name, out)
+            self.after_op(op_name, args, out)
         key = (recorder.module, phase, op_name)
         stats = self.op_stats.get(key)
         if stats is None:

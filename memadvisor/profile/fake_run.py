@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..fake.placeholders import DataDependentLoop
 from ..fake.runtime import fake_execution
+from .gradient_accumulation import InPlaceAccumulation
 from .kernel_memory import CublasWorkspaces
 from .recorder import EventRecorder, _DEVICE, _SIZE
 from .runner import ProfileResult, profile_script
@@ -59,6 +60,12 @@ class DeviceBytesRecorder(EventRecorder):
         super()._log_free(alloc_row)
         self._add(row[_DEVICE], -_block_bytes(row[_SIZE]))
 
+    def _unlog_alloc(self, row: tuple) -> None:
+        super()._unlog_alloc(row)
+        # the peak it may have raised stays: memory_allocated() is a lower-bound-free
+        # figure for one accumulation's block at most
+        self._add(row[_DEVICE], -_block_bytes(row[_SIZE]))
+
     def _add(self, device: str, delta_bytes: int) -> None:
         live = self._device_live_bytes.get(device, 0) + delta_bytes
         self._device_live_bytes[device] = live
@@ -87,6 +94,7 @@ class FakeProfile:
         self.run = run
         self.recorder = recorder
         self.workspaces = workspaces
+        self.accumulation = InPlaceAccumulation()
 
     def output_path(self, output) -> Path:
         # the rank was chosen on the command line: write where the user said
@@ -96,11 +104,19 @@ class FakeProfile:
         # the native engine and allocator hook follow real CPU memory: fake tensors have
         # none; the bf16 probes would run real kernels
         return {"engine": "dispatch", "native_hook": False, "probes": False,
-                "recorder": self.recorder}
+                "recorder": self.recorder, "cuda_peaks": False}
 
     def attach(self, session) -> None:
+        rules = [self.accumulation]
         if self.workspaces is not None:
-            self.workspaces.attach(session)
+            rules.append(self.workspaces)
+        for rule in rules:
+            rule.attach(session)
+
+        def after_op(op_name, args, out) -> None:
+            for rule in rules:
+                rule.after_op(op_name, args, out)
+        session.mode.after_op = after_op
         on_step = session.on_step
 
         def step_done(info: dict) -> None:
@@ -149,6 +165,7 @@ class FakeProfile:
                 1 for use in self.run.placeholder_log.uses if use.inside_torch),
             "cublas_workspaces": self.workspaces.made if self.workspaces else [],
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
+            "gradient_accumulations_in_place": self.accumulation.merged,
         }
         meta.allocator["fake"] = True
         if gpu is not None:

@@ -47,9 +47,8 @@ class CublasWorkspaces:
 
     def attach(self, session) -> None:
         self._session = session
-        session.mode.after_op = self.after_op
 
-    def after_op(self, op_name: str, out) -> None:
+    def after_op(self, op_name: str, args, out) -> None:
         if op_name not in CUBLAS_OPS:
             return
         tensor = out[0] if isinstance(out, (tuple, list)) and out else out

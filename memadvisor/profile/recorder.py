@@ -51,6 +51,10 @@ class EventRecorder:
         self.phase = schema.OTHER_PHASE
         self.module = ""
         self.enabled = True
+        #: ``on_free(cdata) -> bool``: asked before a storage's free is logged; True means
+        #: it was handled (fake execution merges autograd's accumulations: ``merge_into``)
+        self.on_free = None
+        self.pending_merge = None  #: owned by on_free's provider
 
     # --- storages --------------------------------------------------------------------
     def lookup(self, storage) -> int | None:
@@ -92,6 +96,8 @@ class EventRecorder:
 
     def _free(self, cdata: int) -> None:
         self._refs.pop(cdata, None)
+        if self.on_free is not None and self.enabled and self.on_free(cdata):
+            return
         entry = self._live.pop(cdata, None)
         if entry is None or not self.enabled:
             return
@@ -105,6 +111,30 @@ class EventRecorder:
                           a[_DEVICE], a[_DTYPE], a[_SHAPE], a[_OP], a[_MODULE], self.phase,
                           a[_FILE], a[_LINE], a[_FUNC]))
         self.live_bytes -= a[_SIZE]
+
+    def live_row(self, storage) -> int | None:
+        """The alloc row of a live storage."""
+        entry = self._live.get(storage._cdata)
+        return None if entry is None else entry[1]
+
+    def merge_into(self, result_cdata: int, dying_cdata: int, result_row: int) -> None:
+        """The storage ``result_cdata`` (allocated at ``result_row``, the last row) takes
+        over the block of ``dying_cdata``, which is being freed: what an in-place op would
+        have done.  The result's alloc row is dropped; its marks move to the block."""
+        dying = self._live.pop(dying_cdata)
+        result_sid = self._live[result_cdata][0]
+        row = self.rows.pop(result_row)
+        self._unlog_alloc(row)
+        mark = self._marks.pop(result_sid, None)
+        if mark is not None:
+            self.mark_sid(dying[0], mark)
+        owner = self._owners.pop(result_sid, None)
+        if owner is not None:
+            self._owners.setdefault(dying[0], owner)
+        self._live[result_cdata] = dying
+
+    def _unlog_alloc(self, row: tuple) -> None:
+        self.live_bytes -= row[_SIZE]
 
     def internal_alloc(self, size: int, device: str, op: str, source) -> int:
         """A block a kernel allocated for itself (seen only by the native allocator hook):

@@ -52,7 +52,7 @@ class ProfileSession:
                  timeout_s: float | None = None, script: str | None = None,
                  on_step: Callable[[dict], None] | None = None, native_hook: bool = True,
                  engine: str | None = None, probes: bool = True,
-                 recorder: EventRecorder | None = None):
+                 recorder: EventRecorder | None = None, cuda_peaks: bool = True):
         if step_boundary not in ("auto", "optimizer", "backward"):
             raise ValueError(f"step_boundary must be auto, optimizer or backward: {step_boundary}")
         engine = engine or os.environ.get("MEMADVISOR_ENGINE") or "auto"
@@ -75,6 +75,10 @@ class ProfileSession:
         #: ``recorder``: a caller's EventRecorder subclass (fake execution's counts bytes
         #: per device for torch.cuda.memory_allocated); the dispatch engine uses it
         self.recorder = recorder or EventRecorder()
+        #: read (and reset) torch.cuda's peaks at each step boundary; off under fake
+        #: execution, where they would be the recorder's own figures, not an allocator's
+        #: (and the reset would clobber the script's own max_memory_allocated)
+        self.cuda_peaks = cuda_peaks
         self.locator = SourceLocator((script,) if script else ())
         self.mode = TrackingMode(self.recorder, self.locator)
         self.modules = ModuleTracker(self._set_module, self._root_forward)
@@ -517,7 +521,7 @@ class ProfileSession:
         boundaries.append((seq, self.recorder.now_ns()))
         self._last_progress = time.monotonic()
         cuda = (None, None)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self.cuda_peaks and torch.cuda.is_available() and torch.cuda.is_initialized():
             cuda = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
         self._step_cuda.append(cuda)
