@@ -124,6 +124,11 @@ def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0) -> Model
     live bytes with every request rounded to the allocator's 512-byte granule (a whole
     free block taken unsplit is not counted)."""
     events = trace.events
+    device = str(trace.meta.device)
+    if device.startswith("cuda") and (events["device"] != device).any():
+        # only the device's own rows go through its allocator (a model built on the CPU
+        # before .cuda() is in the trace too)
+        events = events[(events["device"] == device).to_numpy()]
     is_alloc = (events["action"] == schema.ALLOC).to_numpy()
     requested = events["size_bytes"].to_numpy().astype(np.int64)
     config = config or AllocatorConfig()
