@@ -151,7 +151,7 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
     loaded = _load_shim(nproc) if profile is not None else shim_module.loaded()
     import torch  # after the shim: torch's import resolves the CUDA hooks
 
-    from . import cuda_stubs, distributed, initializers, modules
+    from . import cuda_stubs, distributed, initializers, modules, sdpa
     from .memory import LiveFakeBytes
     from .mode import SimulatedGpuMode
 
@@ -166,6 +166,9 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
             undo.append(cuda_stubs.install(profile, min(nproc, shim_module.MAX_DEVICES),
                                            memory_stats or run.live_bytes,
                                            loaded.set_current_device))
+        if profile is not None:
+            # SDPA's kernel as the target picks it (the CPU build has no CUDA chooser)
+            undo.append(sdpa.install(profile.capability))
         undo.append(modules.install())
         undo.append(initializers.install())
         undo.append(_track_storage_resizes(run.live_bytes))

@@ -36,6 +36,7 @@ def case_train() -> dict:
     out.update(_probe_real_module())
     out.update(_probe_refusal())
     out.update(_probe_data_loading())
+    out.update(_probe_attention())
     out["cuda_available_after"] = torch.cuda.is_available()
     return out
 
@@ -110,6 +111,38 @@ def _probe_real_module() -> dict:
         grad_device = str(model[0].weight.grad.device)
     return {"real_module": {"devices": devices, "tied": tied, "grad_device": grad_device,
                             "weight_device_after": str(model[0].weight.device)}}
+
+
+def _probe_attention() -> dict:
+    """Which kernel SDPA runs on each target, and the bytes alive after its forward."""
+    import torch
+    import torch.nn.functional as F
+    from memadvisor.fake.runtime import fake_execution
+    out = {}
+    for gpu in ("h100-80gb", "v100-32gb"):
+        for name, dtype, masked in (("bf16", torch.bfloat16, False), ("fp32", torch.float32, False),
+                                    ("bf16_mask", torch.bfloat16, True)):
+            with fake_execution(gpu=gpu):
+                q = torch.randn(1, 4, 2048, 64, device="cuda", dtype=dtype, requires_grad=True)
+                mask = torch.ones(2048, 2048, device="cuda", dtype=torch.bool).tril() \
+                    if masked else None
+                before = torch.cuda.memory_allocated()
+                y = F.scaled_dot_product_attention(q, q, q, attn_mask=mask,
+                                                   is_causal=mask is None)
+                kept = torch.cuda.memory_allocated() - before  # output + what backward saves
+                y.sum().backward()
+                out[f"{gpu}/{name}"] = kept
+            with fake_execution(gpu=gpu):  # the script's own switch is honoured
+                torch.backends.cuda.enable_flash_sdp(False)
+                try:
+                    q = torch.randn(1, 4, 2048, 64, device="cuda", dtype=torch.bfloat16,
+                                    requires_grad=True)
+                    before = torch.cuda.memory_allocated()
+                    y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                    out[f"{gpu}/bf16_flash_off"] = torch.cuda.memory_allocated() - before
+                finally:
+                    torch.backends.cuda.enable_flash_sdp(True)
+    return {"attention_kept_bytes": out}
 
 
 def _probe_refusal() -> dict:

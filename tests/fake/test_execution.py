@@ -117,3 +117,23 @@ def test_fsdp2_over_two_fake_ranks():
 def test_fake_execution_after_torch_was_imported_is_refused_in_one_line():
     refused = _child("late")["refused"]
     assert refused and "\n" not in refused and "preload" in refused
+
+
+def test_attention_runs_the_kernel_the_target_would(train):
+    """Flash on an H100 in bf16 keeps the output and a (B, H, L) fp32 logsumexp; the math
+    path (a V100 has no bf16 flash/efficient kernel) keeps the (L x L) attention matrix."""
+    kept = train["attention_kept_bytes"]
+    heads, length, head_dim = 4, 2048, 64
+    output_bf16 = heads * length * head_dim * 2
+    logsumexp = heads * length * 4
+    rng_state = 64  # the kernels' philox seed and offset: a few scalars
+    flash = kept["h100-80gb/bf16"] - output_bf16 - logsumexp
+    assert 0 <= flash < rng_state
+    # memory-efficient: fp32 on any GPU, or flash switched off by the script
+    assert 0 <= kept["h100-80gb/fp32"] - 2 * output_bf16 - logsumexp < rng_state
+    assert 0 <= kept["h100-80gb/bf16_flash_off"] - output_bf16 - logsumexp < rng_state
+    # a boolean mask: efficient with the mask as an additive bf16 bias, saved for backward
+    bias = length * length * 2
+    assert 0 <= kept["h100-80gb/bf16_mask"] - output_bf16 - logsumexp - bias < rng_state
+    # V100 in bf16: math path; it keeps at least the bf16 attention probabilities
+    assert kept["v100-32gb/bf16"] >= heads * length * length * 2
