@@ -5,7 +5,7 @@ horizontal flip, to-tensor and per-channel normalisation, composed like torchvis
 are).  BasicBlock ResNet with BatchNorm, SGD with Nesterov momentum and ``OneCycleLR``.
 
 Imitates the style of the usual CIFAR-10 ResNet training scripts (kuangliu-style
-``main.py``), written here from scratch on random uint8 images.
+``main.py``) (written here from scratch; random uint8 images).
 
     python zoo/resnet_dataloader.py
 """

@@ -10,7 +10,7 @@ Imitates the style of pytorch/examples ``vae/main.py`` (written here from scratc
 """
 # zoo: {"batch_size": 8, "batch_layout": "batch-first", "steps_per_iteration": 1,
 #   "optimizers": 1, "framework": "raw", "iterations": 3, "exact_split": false,
-#   "split_note": "the loss is a sum over the batch, not a mean: accumulation keeps it only if each micro-batch's sum is not divided",
+#   "split_note": "the loss is a sum over the batch, not a mean: scaling each micro-batch's loss by 1/accum scales the gradient (Adam hides it, SGD would not)",
 #   "model_methods": ["decode"],
 #   "plans": ["amp-bf16", "accum", "ddp", "zero2", "zero3"]}
 import argparse
