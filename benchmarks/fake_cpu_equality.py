@@ -130,6 +130,13 @@ def differences(real_events, fake_events, limit: int = 12) -> tuple[list, list]:
     return only_real[:limit], only_fake[:limit]
 
 
+def _wrapped_scalar_bytes(counter: collections.Counter) -> int:
+    """Bytes of 0-dim 8-byte float64/int64 storages among (op, dtype, shape, bytes) keys, as
+    torch makes for a Python number wrapped into a CPU op."""
+    return sum(key[3] * count for key, count in counter.items()
+               if key[1] in ("float64", "int64") and key[2] == "" and key[3] == 8)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", default=",".join(EXAMPLES))
@@ -158,9 +165,8 @@ def main(argv=None) -> int:
             devices = sorted(set(fake_events["device"].astype(str)))
             for row in step_rows(real_events, fake_events):
                 row["example"] = example
+                row["wrapped_scalars_at_real_peak"] = 0
                 table.append(row)
-                if "missing" not in row and row["fake_peak"] != row["real_tensor_peak"]:
-                    failed = True
             at_peak = []
             for row in table:
                 if row["example"] != example or "missing" in row \
@@ -168,8 +174,19 @@ def main(argv=None) -> int:
                     continue
                 real_live = live_rows(real_events, row["real_tensor_peak_at"], True)
                 fake_live = live_rows(fake_events, row["fake_peak_at"], False)
-                at_peak.append((row["step"], sorted((real_live - fake_live).items()),
-                                sorted((fake_live - real_live).items())))
+                real_more, fake_more = real_live - fake_live, fake_live - real_live
+                # ATen wraps a Python number used with a CPU tensor (``t / 0.9``) in an
+                # 8-byte 0-dim float64/int64 tensor inside the op: memory the native hook
+                # sees being made and a fake run never materialises -- kernel-level, like
+                # the raw blocks, and reported as such
+                row["wrapped_scalars_at_real_peak"] = _wrapped_scalar_bytes(real_more) \
+                    - _wrapped_scalar_bytes(fake_more)
+                at_peak.append((row["step"], sorted(real_more.items()),
+                                sorted(fake_more.items())))
+            for row in table:
+                if row["example"] == example and "missing" not in row and row["fake_peak"] \
+                        + row["wrapped_scalars_at_real_peak"] != row["real_tensor_peak"]:
+                    failed = True
             only_real, only_fake = differences(real_events, fake_events)
             detail.append((example, t1 - t0, t2 - t1, devices, only_real, only_fake,
                            real_trace.meta.steps_completed, fake_trace.meta.steps_completed,
@@ -181,18 +198,19 @@ def main(argv=None) -> int:
     print()
     print("| example | step | real peak | real tensor peak (no `bytes` rows) | fake peak | "
           "fake - real tensor | real - fake | kernel bytes alive at real peak | "
+          "wrapped Python scalars at real peak | "
           "tensor bytes alive at real peak | kernel blocks in step (largest) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in table:
         if "missing" in row:
             print(f"| {row['example']} | {row['step']} | no {row['missing']} rows |"
-                  " | | | | | | |")
+                  " | | | | | | | |")
             continue
         print(f"| {row['example']} | {row['step']} | {row['real_peak']:,} | "
               f"{row['real_tensor_peak']:,} | {row['fake_peak']:,} | "
               f"{row['fake_peak'] - row['real_tensor_peak']:+,} | "
               f"{row['real_peak'] - row['fake_peak']:+,} | {row['kernel_at_real_peak']:,} | "
-              f"{row['tensor_at_real_peak']:,} | "
+              f"{row['wrapped_scalars_at_real_peak']:,} | {row['tensor_at_real_peak']:,} | "
               f"{row['kernel_blocks_in_step']} ({row['kernel_max_block']:,}) |")
     print()
     for (example, real_s, fake_s, devices, only_real, only_fake, real_done, fake_done,
@@ -213,7 +231,8 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     if failed:
-        print("a tensor-level peak differs", file=sys.stderr)
+        print("a tensor-level peak differs by more than the wrapped Python scalars",
+              file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..fake.placeholders import DataDependentLoop
 from ..fake.runtime import fake_execution
 from .gradient_accumulation import InPlaceAccumulation
-from .kernel_memory import CublasWorkspaces
+from .kernel_memory import CublasWorkspaces, KeptLossStorage
 from .recorder import EventRecorder, _DEVICE, _SIZE
 from .runner import ProfileResult, profile_script
 
@@ -107,7 +107,7 @@ class FakeProfile:
                 "recorder": self.recorder, "cuda_peaks": False}
 
     def attach(self, session) -> None:
-        rules = [self.accumulation]
+        rules = [self.accumulation, KeptLossStorage()]
         if self.workspaces is not None:
             rules.append(self.workspaces)
         for rule in rules:

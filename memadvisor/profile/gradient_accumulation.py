@@ -63,6 +63,10 @@ class InPlaceAccumulation:
         first, result = args[0], out
         if not (isinstance(first, torch.Tensor) and isinstance(result, torch.Tensor)):
             return
+        if first._is_view():
+            # a gradient that arrives as a view (a tied weight's second use) is added out of
+            # place on a real device too: nothing to merge
+            return
         first_storage, result_storage = _storage(first), _storage(result)
         if first_storage is None or result_storage is None \
                 or first_storage.nbytes() != result_storage.nbytes() \

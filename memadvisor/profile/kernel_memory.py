@@ -73,3 +73,46 @@ class CublasWorkspaces:
         self.made.append({"device": device, "bytes": self.workspace_bytes,
                           "thread": "autograd backward" if in_backward else "python",
                           "first_op": op_name, "stream": stream, "phase": recorder.phase})
+
+
+#: losses whose CPU kernel computes the elementwise loss into its output, then reduces it
+#: in place and shrinks the shape (``resize_({})``): the 0-dim loss keeps the input-sized
+#: storage while it lives.  Which ones do is measured on this machine's build at start
+#: (``KeptLossStorage.measure``), never assumed.
+LOSS_CANDIDATES = ("mse_loss", "smooth_l1_loss", "soft_margin_loss", "l1_loss", "huber_loss")
+
+
+class KeptLossStorage:
+    """A fake CPU loss gets the storage capacity the real CPU kernel leaves it (fake
+    kernels make a fresh 4-byte scalar).  CUDA kernels are not measured here (no GPU):
+    their losses are left as the fake kernels make them."""
+
+    def __init__(self):
+        self.kept = self.measure()
+
+    @staticmethod
+    def measure() -> frozenset[str]:
+        import torch.nn.functional as F
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        kept = set()
+        with unset_fake_temporarily():
+            x, y = torch.rand(4, 8), torch.rand(4, 8)
+            for name in LOSS_CANDIDATES:
+                loss = getattr(F, name)(x, y.sign() if name == "soft_margin_loss" else y)
+                if loss.untyped_storage().nbytes() == x.untyped_storage().nbytes():
+                    kept.add(f"aten::{name}")
+        return frozenset(kept)
+
+    def attach(self, session) -> None:
+        self._session = session
+
+    def after_op(self, op_name: str, args, out) -> None:
+        if op_name not in self.kept or not args or not isinstance(out, torch.Tensor):
+            return
+        source = args[0]
+        if out.device.type != "cpu" or out.dim() != 0 or not isinstance(source, torch.Tensor):
+            return
+        session = self._session
+        session.recorder.check_resize(out.untyped_storage(), op_name, "",
+                                      session.locator.locate(3),
+                                      size_bytes=source.numel() * out.element_size())

@@ -177,19 +177,31 @@ dist.destroy_process_group()
 def test_gloo_reduce_scatter_copy_is_counted_once(tmp_path, native_ok):
     """gloo clones a reduce-scatter's input inside the op and splits the clone after it:
     one block, which the dispatch engine once counted twice (kernel block + storage)."""
+    script = tmp_path / "gloo.py"
+    script.write_text(GLOO_SCRIPT)
+    block = 1024 * 64 * 4
+    # x, out and one clone at a time.  gloo's worker thread may drop its reference to the
+    # clone only after the next collective (a race on a loaded machine: docs/ACCURACY.md),
+    # which shows a fourth block now and then in either engine; a double count shows it
+    # in every run.  So: up to three runs, each engine at exactly three blocks in one.
+    seen = {"native": set(), "dispatch": set()}
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, str(script), str(_free_port())],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        for engine, peak in (line.split() for line in proc.stdout.splitlines()):
+            seen[engine].add(int(peak))
+        if all(3 * block in peaks for peaks in seen.values()):
+            break
+    for engine, peaks in seen.items():
+        assert 3 * block in peaks and max(peaks) <= 4 * block, (engine, sorted(peaks))
+
+
+def _free_port() -> int:
     import socket
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    script = tmp_path / "gloo.py"
-    script.write_text(GLOO_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(port)], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    peaks = dict(line.split() for line in proc.stdout.splitlines())
-    block = 1024 * 64 * 4
-    # x, out and one clone at a time
-    assert peaks == {"native": str(3 * block), "dispatch": str(3 * block)}
+        return probe.getsockname()[1]
 
 
 def test_batches_from_dataloader_workers_are_input(tmp_path, native_ok):
