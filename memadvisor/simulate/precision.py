@@ -78,7 +78,8 @@ def apply_precision(timeline: Timeline, precision: str, device_type: str,
         out = _autocast(timeline, low, device_type, module_parameter_bytes or {}, regions,
                         module_types)
         out = _cast_inputs(out, batch or {}, module_parameter_bytes or {}, low,
-                           device_rules(device_type)["autocast_lower"], len(timeline))
+                           device_rules(device_type)["autocast_lower"], len(timeline),
+                           regions)
     out = matmul_scratch(out, len(timeline), low, device_type, probes or {},
                          timeline.alloc_key)
     out = probed_conv_blocks(out, low, device_type, probes or {}, timeline.alloc_key)
@@ -202,7 +203,7 @@ def _first_owner(timeline: Timeline, module_parameter_bytes: dict[str, int]) -> 
 
 def _cast_inputs(out: Timeline, batch: dict, module_parameter_bytes: dict[str, int],
                  low: str, lower_ops: frozenset | None = None,
-                 original_rows: int | None = None) -> Timeline:
+                 original_rows: int | None = None, regions=()) -> Timeline:
     """The 16-bit copy of each floating model input (``meta.batch``), saved by the first
     module with parameters (a Linear or convolution keeps its input for the weight
     gradient) until that module's backward ends.  Pure bf16 (``lower_ops`` None): ``apply``
@@ -221,8 +222,11 @@ def _cast_inputs(out: Timeline, batch: dict, module_parameter_bytes: dict[str, i
         return out
     start = float(forward[0]) - 0.25
     if lower_ops is not None:
+        # the module's own tensors (not a checkpoint's RNG state kept at its region's
+        # start, nor a kernel's raw block)
         own = np.flatnonzero((out.module == first) & (out.phase == _FORWARD)
-                             & (out.alloc_key >= 0))
+                             & (out.alloc_key >= 0) & ~out.category_mask(schema.OTHER)
+                             & ~out.dtype_in((schema.RAW_BYTES_DTYPE,)))
         own = own[own < (original_rows or len(out))]  # the recorded ops, not added copies
         if not len(own):
             return out
@@ -232,12 +236,23 @@ def _cast_inputs(out: Timeline, batch: dict, module_parameter_bytes: dict[str, i
         start = float(out.alloc_key[row]) - 0.25
     used = np.flatnonzero((out.event_phase == _BACKWARD) & (out.event_module == first))
     free = float(used[-1]) + 0.5 if len(used) else float(forward[-1])
+    spans = [(start, free)]
+    if lower_ops is not None and len(used) and _inside(out.modules[first], regions):
+        # checkpointed: nothing saves the forward's copy (gone after its op); the
+        # recompute (the module's first backward rows) casts the input again, and that
+        # copy is saved for the module's backward
+        again = out.alloc_key[(out.module == first) & (out.phase == _BACKWARD)
+                              & (out.alloc_key >= 0)]  # the recompute's rows come first
+        spans = [(start, start + 0.5), (float(again.min()) - 0.25, free)]
+    sizes, shapes = sizes * len(spans), shapes * len(spans)
+    starts = [a for a, _ in spans for _ in range(len(sizes) // len(spans))]
+    frees = [b for _, b in spans for _ in range(len(sizes) // len(spans))]
     count = len(sizes)
     if low not in out.dtypes:
         out = out.with_dtype(np.zeros(0, int), low)
     return out.appended({
-        "size": np.asarray(sizes), "alloc_key": np.full(count, start),
-        "free_key": np.full(count, free),
+        "size": np.asarray(sizes), "alloc_key": np.asarray(starts, float),
+        "free_key": np.asarray(frees, float),
         "category": np.full(count, CATEGORY_CODE[schema.ACTIVATION], np.int8),
         "dtype": np.full(count, out.dtypes.index(low), np.int16),
         "module": np.full(count, first, np.int32),
@@ -361,8 +376,11 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
             # checkpointed: nothing saves the copy, autocast's cache dies with the forward;
             # the recompute (the module's first backward rows) casts the weights again
             again = float(bwd.min()) - 1e-5
+            # the first module's recompute copy lives in autocast's cache until the
+            # recompute is done, i.e. through the region's backward (measured:
+            # cnn_classifier's first convolution, amp-bf16 with checkpoint=auto)
             spans = [(start, float(fwd.max()) + 0.5),
-                     (again, end if saved else again + 0.5)]
+                     (again, end if saved else float(bwd.max()) + 0.5)]
         for first, last in spans:
             rows["size"].append(owned * itemsize_ratio)
             rows["alloc_key"].append(first)
@@ -443,10 +461,33 @@ def _sibling_gradients(timeline: Timeline, is_low: np.ndarray,
     for row in forward:
         status.setdefault((parent[int(timeline.module[row])], timeline.shape[row]),
                           set()).add(bool(is_low[row]))
+    first_made: dict[int, float] = {}
+    for row in forward[np.argsort(timeline.alloc_key[forward], kind="stable")]:
+        first_made.setdefault(int(timeline.module[row]), float(timeline.alloc_key[row]))
     for row in orphans:
-        out[row] = status.get((parent[int(timeline.module[row])], timeline.shape[row])) \
-            == {True}
+        found = status.get((parent[int(timeline.module[row])], timeline.shape[row]))
+        if found is None:
+            # no sibling made that shape: the module's input came from further away (a
+            # pooling layer after a nested conv block): the tensor of that shape made last
+            # before the module's first forward tensor, whoever made it
+            found = _input_status(timeline, forward, is_low, row,
+                                  first_made.get(int(timeline.module[row])))
+        out[row] = found == {True}
     return out
+
+
+def _input_status(timeline: Timeline, forward: np.ndarray, is_low: np.ndarray, row: int,
+                  module_start: float | None) -> set | None:
+    """{16-bit?} of the forward tensor shaped like ``row`` made last before its module's
+    first forward tensor (``module_start``): the module's input, whose gradient ``row``
+    is; None where there is none."""
+    if module_start is None:
+        return None
+    before = forward[(timeline.shape[forward] == timeline.shape[row])
+                     & (timeline.alloc_key[forward] < module_start)]
+    if not len(before):
+        return None
+    return {bool(is_low[before[np.argmax(timeline.alloc_key[before])]])}
 
 
 def _positions(shape: str) -> tuple[int, int]:
