@@ -25,10 +25,17 @@ from ..terminal import safe_text
               help="Model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
 @click.option("--save-plan", default=None, help="Write the best plan as JSON for `apply`.")
 @click.option("--overwrite", is_flag=True, help="Let --save-plan replace an existing file.")
+@click.option("--verify", "verify_count", type=click.IntRange(min=0), is_flag=False,
+              flag_value=5, default=0, metavar="[K]",
+              help="Execute the top K plans (default 5) as `apply` would run them -- fake "
+                   "tensors on the simulated GPU, or for real on this CPU for the cpu target -- "
+                   "and keep only plans whose executed peak fits.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
 def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segments, save_plan,
-            overwrite, as_json):
-    """Rank every plan that fits a memory budget by predicted step time."""
+            overwrite, verify_count, as_json):
+    """Rank every plan that fits a memory budget by predicted step time.  Plans `apply`
+    cannot realise for the profiled script are marked; with --verify the top plans are
+    executed and the executed peak decides whether they fit."""
     from ..errors import UserError
     from ..trace.io import read_trace
     from ..units import parse_bytes
@@ -43,20 +50,77 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     trace = read_trace(trace_path)
     base = prepare(trace)
     hw = target_hardware(gpu, trace.meta.device, expandable_segments)
+    script = _script(trace, trace_path, required=bool(verify_count))
     allowed = {a.strip() for a in allow.split(",") if a.strip()}
     result = advise(base, hw, budget_bytes, gpus, margin=margin, allow=allowed, top=top,
                     expandable_segments=expandable_segments)
     data = advise_dict(base, result, hw)
-    if save_plan is not None:
+    checked = check_plans(data, result, script, trace.meta, hw, verify_count)
+    best = data["best"]
+    if save_plan is not None and best is not None:
         try:
             with open(save_plan, "w", encoding="utf-8") as f:
-                json.dump(result.ranked[0].plan.to_dict(), f, indent=2)
+                json.dump(result.ranked[best].plan.to_dict(), f, indent=2)
                 f.write("\n")
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
             raise UserError(f"cannot write --save-plan {save_plan}: "
                             f"{getattr(exc, 'strerror', None) or exc}") from None
     click.echo(json.dumps(data, indent=2) if as_json else safe_text(advise_text(data)))
+    if best is None and checked:
+        what = "fits when executed" if verify_count else "can be applied to this script"
+        raise UserError(f"none of the plans shown {what}"
+                        + (f"; nothing written to {save_plan}" if save_plan else ""),
+                        exit_code=1)
     return 0
+
+
+def _script(trace, trace_path, required: bool):
+    """The profiled script, to check plans against; None (unchecked) where it is gone,
+    unless --verify needs it."""
+    from ..errors import UserError
+    from ..verify import recorded_script
+    try:
+        return recorded_script(trace.meta, trace_path)
+    except UserError:
+        if required:
+            raise
+        return None
+
+
+def check_plans(data: dict, result, script, meta, hw, verify_count: int) -> bool:
+    """Mark each shown plan that ``apply`` cannot realise for the script, execute the top
+    ``verify_count`` others, and choose the best: the first plan realisable and, where
+    executed, fitting.  Fills ``data['best']`` (an index into ``data['plans']`` or None);
+    returns whether plans were checked at all (the script was found)."""
+    from ..verify import apply_refusals, compare, verify_plan
+    from ..verify.compare import plan_check_text
+    data["apply_checked"] = script is not None
+    data["verified"] = 0
+    if script is None:
+        data["best"] = 0 if data["plans"] else None
+        return False
+    refused = apply_refusals(script, [p.plan for p in result.ranked])
+    best = None
+    fitting = 0
+    for index, (shown, prediction) in enumerate(zip(data["plans"], result.ranked)):
+        shown["apply_refused"] = refused.get(prediction.plan.to_compact())
+        if shown["apply_refused"] is not None:
+            continue
+        if fitting < verify_count and data["verified"] < 2 * verify_count:
+            click.echo(f"memadvisor: executing plan {index + 1}, {prediction.plan} ...",
+                       err=True)
+            verification = verify_plan(script, meta, prediction.plan, hw)
+            shown["verification"] = compare(prediction, verification, result.usable_bytes)
+            data["verified"] += 1
+            if not shown["verification"]["fits"]:
+                continue
+            fitting += 1
+        if best is None:
+            best = index
+    for shown in data["plans"]:
+        shown["check_mark"], shown["check_notes"] = plan_check_text(shown)
+    data["best"] = best
+    return True
 
 
 def _check_save_path(path: str, overwrite: bool) -> None:

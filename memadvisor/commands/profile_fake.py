@@ -54,8 +54,9 @@ def modelled_step_peaks(trace_path: Path, device: str, capacity_bytes: int = 0):
     return steps, run
 
 
-def run_child(spec: dict) -> dict:
-    """Run the child and return its result; the script's output passes through."""
+def run_child(spec: dict, cwd: str | None = None, capture: bool = False) -> dict:
+    """Run the child (in ``cwd``) and return its result; the script's output passes
+    through, or with ``capture`` is kept and its last lines are named if no result came."""
     with tempfile.TemporaryDirectory(prefix="memadvisor-fake-") as folder:
         spec_path = Path(folder) / "spec.json"
         result_path = Path(folder) / "result.json"
@@ -66,13 +67,16 @@ def run_child(spec: dict) -> dict:
                                                           env.get("PYTHONPATH")) if p)
         try:
             proc = subprocess.run([sys.executable, "-m", "memadvisor.commands.profile_fake",
-                                   str(spec_path)], env=env)
+                                   str(spec_path)], env=env, cwd=cwd, capture_output=capture,
+                                  text=True, errors="replace")
         except KeyboardInterrupt:
             raise UserError("interrupted", exit_code=130) from None
         if not result_path.exists():
             how = (f"signal {-proc.returncode}" if proc.returncode < 0
                    else f"exit status {proc.returncode}")
-            raise UserError(f"fake execution ended without a result ({how})",
+            said = (proc.stderr or proc.stdout or "").strip().splitlines() if capture else []
+            last = f": {said[-1].strip()}" if said else ""
+            raise UserError(f"fake execution ended without a result ({how}){last}",
                             exit_code=proc.returncode if proc.returncode > 0 else 1)
         return json.loads(result_path.read_text())
 

@@ -17,8 +17,16 @@ from ..terminal import safe_text
               "(default: the device that recorded the trace).")
 @click.option("--expandable-segments", is_flag=True,
               help="Model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
+@click.option("--verify", is_flag=True,
+              help="Also execute the plan -- the script rewritten by `apply`, on fake tensors "
+                   "on the simulated GPU (each rank on a fake process group), or for real on "
+                   "this CPU for the cpu target -- and show the executed peak beside the "
+                   "analytic one; the executed figure wins.")
+@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
+              help="With --verify on a GPU: the ranks to execute (repeatable) [default: 0 "
+                   "and the last].")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
-def command(trace_path, plan_spec, gpu, expandable_segments, as_json):
+def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, as_json):
     """Predict one plan's per-rank peak memory and step-time cost, without running it."""
     from ..errors import UserError
     from ..plan import Plan, environment_problems
@@ -35,9 +43,27 @@ def command(trace_path, plan_spec, gpu, expandable_segments, as_json):
     problems = environment_problems(plan, target_environment(hw))
     if problems:
         raise UserError(f"cannot simulate {plan} on {hw.name}: {problems[0]}")
+    if ranks and not verify:
+        raise UserError("--rank chooses the ranks --verify executes: add --verify")
+    script = None
+    if verify:
+        from ..verify import ranks_to_run, recorded_script
+        script = recorded_script(trace.meta, trace_path)  # before the search: fail early
+        ranks_to_run(plan.world, ranks or None)
     prediction = simulate(base, plan, hw, expandable_segments=expandable_segments)
     data = simulate_dict(base, prediction, hw)
-    click.echo(json.dumps(data, indent=2) if as_json else safe_text(simulate_text(data)))
+    if verify:
+        from ..verify import compare, verify_plan
+        from ..verify.compare import verification_lines
+        click.echo(f"memadvisor: executing {plan} to verify the prediction ...", err=True)
+        verification = verify_plan(script, trace.meta, plan, hw, ranks=ranks or None)
+        data["verification"] = compare(prediction, verification)
+    text = json.dumps(data, indent=2) if as_json else safe_text(simulate_text(data))
+    if verify and not as_json:
+        text += "\n\n" + safe_text("\n".join(verification_lines(data["verification"])))
+    click.echo(text)
+    if verify and not data["verification"]["executed"]:
+        return 1  # asked to verify and could not: never a silent success
     return 0
 
 

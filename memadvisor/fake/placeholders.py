@@ -8,7 +8,8 @@ records where the script asked, so the profile can say which lines saw invented 
     scalar reads (``item``, ``tolist`` elements, ``float(t)``, ``int(t)``)
         1.0 for floating and complex tensors, 1 for integer tensors, True for bool
         tensors.  One, not zero: ``if loss < target: break`` keeps training, and nothing
-        divides by zero.
+        divides by zero.  Except GradScaler's count of non-finite gradients: 0, so the
+        optimizer steps (``FINITE_CHECKS``).
     ``bool(t)`` and ``if t:``: the tensor's scalar read, so True.
     ``torch.allclose`` / ``torch.equal``: True.
     ``nonzero`` / ``argwhere``: every element counted as non-zero (shape ``(numel, ndim)``),
@@ -45,6 +46,11 @@ _TORCH_PLUMBING = tuple(_TORCH_DIR + name for name in (
     "_compile.py", "_dynamo" + os.sep))  # the last two: torch._disable_dynamo's wrappers
 
 SCALAR_OPS = frozenset({_aten._local_scalar_dense.default})
+#: torch functions whose scalar reads count non-finite gradients (GradScaler's
+#: ``_maybe_opt_step`` sums ``found_inf``): they read 0, so the optimizer steps as in all
+#: but a real run's first overflow steps; a 1 would skip every step, and the optimizer's
+#: state, the largest part of a step's memory, would never exist
+FINITE_CHECKS = frozenset({"torch.amp.grad_scaler:_maybe_opt_step"})
 TRUE_OPS = frozenset({_aten.allclose.default, _aten.equal.default})
 UPPER_BOUND_OPS = frozenset({_aten.nonzero.default, _aten.argwhere.default,
                              _aten.masked_select.default})
@@ -86,6 +92,25 @@ def _locate() -> tuple[str, str]:
             torch_function = f"torch.{module}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "<unknown>", torch_function
+
+
+def _innermost_torch_function() -> str:
+    """``torch.<module>:<function>`` of the torch frame that asked for a value directly
+    (below the dispatch plumbing), or ''."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_TORCH_DIR) and not filename.startswith(_TORCH_PLUMBING):
+            # a comprehension (``sum(v.item() for v in ...)``) reads for its function
+            while frame.f_code.co_name.startswith("<") and frame.f_back is not None \
+                    and frame.f_back.f_code.co_filename == filename:
+                frame = frame.f_back
+            module = filename[len(_TORCH_DIR):].removesuffix(".py").replace(os.sep, ".")
+            return f"torch.{module}:{frame.f_code.co_name}"
+        if not _is_internal(filename):
+            return ""
+        frame = frame.f_back
+    return ""
 
 
 def scalar_placeholder(dtype: torch.dtype):
@@ -178,6 +203,8 @@ def answer(func, args, kwargs, log: PlaceholderLog, empty):
     tensor (the fake mode is not active inside its own dispatch)."""
     if func in SCALAR_OPS:
         value = scalar_placeholder(args[0].dtype)
+        if _innermost_torch_function() in FINITE_CHECKS:
+            value = type(value)(0)  # gradients are finite: the step runs (see FINITE_CHECKS)
     elif func in TRUE_OPS:
         value = True
     elif func in UPPER_BOUND_OPS:

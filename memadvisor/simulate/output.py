@@ -120,12 +120,22 @@ def advise_text(data: dict) -> str:
              f"{data['over_budget']} over budget, {data['rejected']} cannot run here", ""]
     header = f"{'#':>2}  {'peak':>10}  {'reserved':>10}  {'time':>7}  plan"
     lines.append(header)
+    notes = []
     for index, plan in enumerate(data["plans"], 1):
         reserved = format_bytes(plan["reserved_bytes"]) if plan["reserved_bytes"] else "-"
+        mark = plan.get("check_mark")  # filled by the command that checked the plans
         lines.append(f"{index:>2}  {format_bytes(plan['peak_bytes']):>10}  {reserved:>10}  "
-                     f"x{plan['step_time_factor']:<6.3f}  {plan['plan_compact']}")
-    if data["plans"]:
-        best = data["plans"][0]
+                     f"x{plan['step_time_factor']:<6.3f}  {plan['plan_compact']}"
+                     + (f"   [{mark}]" if mark else ""))
+        notes += [f"#{index}: {note}" for note in plan.get("check_notes", [])]
+    if notes:
+        lines += ["", *notes]
+    if data.get("apply_checked") is False and data["plans"]:
+        lines += ["", "note: the profiled script was not found, so no plan was checked "
+                      "against what `apply` can rewrite"]
+    best_index = data.get("best", 0 if data["plans"] else None)
+    if best_index is not None:
+        best = data["plans"][best_index]
         lines += ["", f"best: {best['plan_compact']}"]
         lines += [f"  {term}" for term in best["terms"]]
         lines.append("  changes: " + "; ".join(best["changes"]))
@@ -135,3 +145,4 @@ def advise_text(data: dict) -> str:
         lines += [f"  {n:>6}  {plan}" for plan, n in data["max_micro_batch"].items()]
     lines += [f"warning: {w}" for w in data["warnings"]]
     return "\n".join(lines)
+

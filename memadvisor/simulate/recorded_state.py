@@ -112,7 +112,8 @@ class ModelledRun:
 MODELLED_STEPS = 16
 
 
-def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0) -> ModelledRun:
+def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0,
+                    only_steps=None) -> ModelledRun:
     """Every request of ``trace`` in order through the allocator model, from nothing cached
     (a fresh process: a profile of the whole run, warm-up steps included, as fake execution
     records it), with each step's peaks -- what ``max_memory_allocated``/
@@ -120,7 +121,8 @@ def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0) -> Model
 
     Reserved memory never shrinks (segments are kept), so a step's peak reserved is the
     model's reserved at the step's end: one compiled replay of the run up to there, for the
-    first steps and the last (``MODELLED_STEPS`` in all).  A step's allocated peak is its
+    first steps and the last (``MODELLED_STEPS`` in all; ``only_steps``: just those step
+    indices, e.g. the analysed one, one replay each).  A step's allocated peak is its
     live bytes with every request rounded to the allocator's 512-byte granule (a whole
     free block taken unsplit is not counted)."""
     events = trace.events
@@ -142,7 +144,11 @@ def model_whole_run(trace: Trace, config=None, capacity_bytes: int = 0) -> Model
     unique = np.unique(steps_column)
     stops = np.searchsorted(steps_column, unique, "right")
     starts = np.searchsorted(steps_column, unique, "left")
-    chosen = set(range(min(len(unique), MODELLED_STEPS - 1))) | {len(unique) - 1}
+    if only_steps is not None:
+        wanted = set(only_steps)
+        chosen = {i for i, step in enumerate(unique.tolist()) if step in wanted}
+    else:
+        chosen = set(range(min(len(unique), MODELLED_STEPS - 1))) | {len(unique) - 1}
     steps = {}
     for index in sorted(chosen):
         if index < 0:

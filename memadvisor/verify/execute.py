@@ -1,0 +1,223 @@
+"""Execute a plan and measure what it allocates: the prediction that holds by construction.
+
+The script a trace recorded is rewritten for the plan by ``apply``'s own rewrite (the code
+``memadvisor apply`` writes and runs, the runtime included) and then executed:
+
+* **GPU targets: fake execution** (``profile --fake``): every tensor fake, on the
+  simulated GPU, each rank run as rank R of the plan's world on a fake process group (FSDP
+  and DDP really shard, gather and reduce); the executed trace's device rows go through
+  the caching-allocator model from a fresh process.  Rank 0 and the last rank run (the
+  last holds FSDP's uneven shard remainders and the last data shard); ``ranks`` chooses.
+* **The CPU target: the real run** at the recorded size (``memadvisor apply --profile``,
+  torchrun on gloo for several ranks): fake CPU tensors would miss what CPU kernels
+  allocate besides tensors (oneDNN scratch), which a real run measures.
+
+Both analyse the same step the analytic prediction does: the executed run's last complete
+step (its peak allocated; for a GPU, the model's reserved bytes at that step's end, every
+earlier step's segments still cached, as ``max_memory_reserved`` would say).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from ..plan import Plan
+from .script import RecordedScript, applied_copy, in_user_terms, rewritten
+
+#: steps a verification runs at most (the peak of a training step is reached by the
+#: second: the optimizer's state exists from the first step on)
+MAX_STEPS = 3
+#: a fake step that takes longer than this is stopped (a loop the placeholders never end)
+FAKE_STEP_TIMEOUT_S = 600.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RankPeaks:
+    rank: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None  #: the allocator model's; None on the CPU
+    steps_completed: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """What must fit: reserved where an allocator caches, else allocated."""
+        return self.peak_reserved_bytes if self.peak_reserved_bytes is not None \
+            else self.peak_allocated_bytes
+
+
+@dataclass(kw_only=True)
+class Verification:
+    plan: Plan
+    method: str  #: 'fake' (fake tensors on the simulated GPU) or 'real' (this CPU)
+    where: str  #: how it ran, in words
+    ranks: list[RankPeaks] = field(default_factory=list)
+    refused: str | None = None  #: apply cannot realise the plan for this script: why
+    failed: str | None = None  #: the executed run failed: its one line
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def executed(self) -> bool:
+        return bool(self.ranks) and not self.refused and not self.failed
+
+    @property
+    def worst(self) -> RankPeaks | None:
+        """The rank that needs the most memory (what every GPU must hold)."""
+        return max(self.ranks, key=lambda r: (r.peak_bytes, -r.rank), default=None)
+
+
+def verify_plan(script: RecordedScript, meta, plan: Plan, hw, *, ranks=None,
+                steps: int | None = None) -> Verification:
+    """Run ``plan`` on ``script`` (as ``memadvisor apply`` would) and measure its peaks."""
+    started = time.monotonic()
+    method = "fake" if hw.device_type == "cuda" else "real"
+    steps = steps or max(1, min(int(meta.steps_completed or MAX_STEPS), MAX_STEPS))
+    code, refused = rewritten(script, plan)
+    if refused:
+        return Verification(plan=plan, method=method, where="not run", refused=refused)
+    with applied_copy(script, code) as copy:
+        if method == "fake":
+            result = _fake(script, copy, plan, hw, steps, ranks)
+        else:
+            result = _real(script, copy, plan, steps)
+        # messages name the user's script and its lines, not the hidden copy that ran
+        plain = lambda text: text and in_user_terms(text, copy, script, code)  # noqa: E731
+        result.failed = plain(result.failed)
+        result.warnings = sorted({plain(w) for w in result.warnings})
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def ranks_to_run(world: int, ranks=None) -> list[int]:
+    """Rank 0 and the last, or the ranks asked for (each checked against the world)."""
+    if ranks is None:
+        return sorted({0, world - 1})
+    chosen = sorted(set(ranks))
+    bad = [r for r in chosen if not 0 <= r < world]
+    if bad:
+        raise UserError(f"rank {bad[0]} is not a rank of the plan's world={world}")
+    return chosen
+
+
+# --- GPU targets: fake execution --------------------------------------------------------
+def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks) -> Verification:
+    from ..commands.profile_fake import run_child
+    from ..gpus import gpu_profile
+    gpu = gpu_profile(hw.name)
+    chosen = ranks_to_run(plan.world, ranks)
+    of = f" of {plan.world}" if plan.world > 1 else ""
+    names = " and ".join(str(r) for r in chosen) if len(chosen) <= 2 else \
+        ", ".join(str(r) for r in chosen)
+    where = (f"fake tensors on a simulated {gpu.device_name}, rank{'s' if len(chosen) > 1 else ''}"
+             f" {names}{of}, {steps} step{'s' if steps > 1 else ''}") if plan.world > 1 else \
+        f"fake tensors on a simulated {gpu.device_name}, {steps} step{'s' if steps > 1 else ''}"
+    verification = Verification(plan=plan, method="fake", where=where)
+    with tempfile.TemporaryDirectory(prefix="memadvisor-verify-") as folder:
+        for rank in chosen:
+            output = Path(folder) / f"rank{rank}.trace"
+            spec = {"script": str(copy), "args": script.args, "output": str(output),
+                    "gpu": hw.name, "nproc": plan.world, "rank": rank, "steps": steps,
+                    "timeout_s": FAKE_STEP_TIMEOUT_S, "step_boundary": "auto", "quiet": True}
+            try:
+                result = run_child(spec, cwd=str(script.cwd), capture=True)
+            except UserError as exc:
+                verification.failed = f"rank {rank}: {exc}"
+                return verification
+            if "cannot_run" in result:
+                verification.failed = f"rank {rank}: {result['cannot_run']}"
+                return verification
+            if result["status"] != "completed" or result["steps_completed"] < 1:
+                verification.failed = (f"rank {rank}: the applied script {result['status']} "
+                                       f"after {result['steps_completed']} step(s): "
+                                       f"{result.get('error', '')}")
+                return verification
+            for read in result.get("placeholder_reads", []):
+                verification.warnings.append(
+                    f"{read['location']} read tensor values "
+                    f"({read['op']}): fake execution answered {read['value']}")
+            try:
+                verification.ranks.append(_fake_rank_peaks(Path(result["trace_path"]), rank,
+                                                           plan.world, gpu))
+            except UserError as exc:
+                verification.failed = f"rank {rank}: {exc}"
+                return verification
+    return verification
+
+
+def _fake_rank_peaks(trace_path: Path, rank: int, world: int, gpu) -> RankPeaks:
+    """The analysed step's modelled peaks on the rank's GPU."""
+    from ..simulate.allocator_config import parse_alloc_conf
+    from ..simulate.recorded_state import model_whole_run
+    from ..trace.analysis import analysed_step
+    from ..trace.io import Trace, read_trace
+    trace = read_trace(trace_path)
+    device = _rank_device(trace, rank, world)
+    events = trace.events[trace.events["device"] == device].reset_index(drop=True)
+    step = analysed_step(trace)
+    config = parse_alloc_conf((trace.meta.allocator or {}).get("settings", ""))
+    run = model_whole_run(Trace(events, trace.meta, trace.path), config,
+                          gpu.total_memory_bytes, only_steps=[step])
+    allocated, reserved = run.steps.get(step, (0, 0))
+    return RankPeaks(rank=rank, peak_allocated_bytes=int(allocated),
+                     peak_reserved_bytes=int(reserved),
+                     steps_completed=trace.meta.steps_completed)
+
+
+def _rank_device(trace, rank: int, world: int) -> str:
+    """The GPU the rank used: its own index where the script set it, else the one used."""
+    used = trace.events.loc[trace.events["device"].astype(str).str.startswith("cuda"), "device"]
+    if used.empty:
+        raise UserError("the applied script put nothing on the GPU under fake execution "
+                        "(a device chosen without asking torch.cuda.is_available()?)")
+    expected = f"cuda:{rank % min(world, 8)}"
+    counts = used.value_counts()
+    return expected if expected in counts.index else str(counts.index[0])
+
+
+# --- the CPU target: the real run -------------------------------------------------------
+def _real(script: RecordedScript, copy: Path, plan: Plan, steps: int) -> Verification:
+    from ..trace.analysis import analysed_step
+    from ..trace.io import read_trace
+    where = (f"real run on this CPU at the recorded size, {plan.world} processes (torchrun, "
+             f"gloo), {steps} steps" if plan.world > 1 else
+             f"real run on this CPU at the recorded size, {steps} steps")
+    verification = Verification(plan=plan, method="real", where=where)
+    with tempfile.TemporaryDirectory(prefix="memadvisor-verify-") as folder:
+        profile = Path(folder) / "run.trace"
+        # apply itself rewrites the original into the hidden copy (beside it, so the
+        # script's own imports resolve) and runs it, exactly as a user's `apply` would
+        command = [sys.executable, "-m", "memadvisor.cli", "apply", str(script.path), "--plan",
+                   plan.to_compact(), "-o", str(copy), "-q", "--nproc", str(plan.world),
+                   "--profile", str(profile), "--profile-steps", str(steps), "--",
+                   *script.args]
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH"))
+                                            if p)
+        proc = subprocess.run(command, cwd=str(script.cwd), env=env, capture_output=True,
+                              text=True, errors="replace")
+        if proc.returncode != 0:
+            said = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+            last = said[-1].strip() if said else f"exit status {proc.returncode}"
+            verification.failed = last.removeprefix("memadvisor: error: ")
+            return verification
+        for rank in range(plan.world):
+            path = profile if rank == 0 else profile.with_name(f"run.rank{rank}.trace")
+            if not path.exists():
+                verification.failed = f"rank {rank} wrote no trace"
+                return verification
+            trace = read_trace(path)
+            step = analysed_step(trace)
+            if step is None:
+                verification.failed = f"rank {rank} completed no step"
+                return verification
+            verification.ranks.append(RankPeaks(
+                rank=rank, peak_allocated_bytes=int(trace.meta.steps[step]["peak_bytes"]),
+                peak_reserved_bytes=None, steps_completed=trace.meta.steps_completed))
+    return verification
