@@ -4,7 +4,7 @@
 plan                ``TrainingArguments`` keyword
 ==================  ==================================================================
 amp-bf16 / amp-fp16 ``bf16=True`` / ``fp16=True`` (accelerate's autocast)
-checkpoint=auto     ``gradient_checkpointing=True`` (the model's own per-layer checkpointing)
+checkpoint=auto     ``activation_checkpointing=True`` (``gradient_checkpointing`` before 5.x)
 accum=K, world=W    ``gradient_accumulation_steps=K``, ``per_device_train_batch_size`` / (K*W)
 optimizer           ``optim=`` sgd / adafactor / adamw_bnb_8bit (sgd-momentum: ``optim_args``)
 zero2 / zero3       ``fsdp=True``, ``fsdp_config={"reshard_after_forward": False / True}``
@@ -71,6 +71,9 @@ def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, st
     fields, optimizer_names = installed_arguments()
     edits = Edits()
     knobs = _knobs(plan, call, at, optimizer_names)
+    if "gradient_checkpointing" in knobs and "activation_checkpointing" in fields:
+        # transformers 5.x renamed it (the old name warns that it goes in v6)
+        knobs["activation_checkpointing"] = knobs.pop("gradient_checkpointing")
     missing = [k for k in knobs if k not in fields]
     if missing:
         raise RewriteError(f"{at}: the installed transformers' TrainingArguments has no "

@@ -54,20 +54,26 @@ class Probe:
 
     # --- watching -----------------------------------------------------------------------
     def _enter(self, module, _inputs):
+        if _in_backward():
+            # recomputation; depth is not tracked there: checkpoint stops a recompute early
+            # (its forward hooks never run) once it has the tensors backward needs
+            if id(module) in self.root_members:
+                self.recomputed += 1
+            return
         if self.depth == 0 and torch.is_grad_enabled() and module.training:
             if self.root is None and any(True for _ in module.parameters()):
                 self.root = module
                 self.root_members = {id(m) for m in module.modules()}
-            if module is self.root:
                 self.forward_passes += 1
-            elif id(module) in self.root_members and self.forward_passes:
-                self.recomputed += 1  # a block of the model run again after its forward
+            elif module is self.root:
+                self.forward_passes += 1
         elif self.depth > 0 and torch.is_autocast_enabled(self.device_type):
             self.autocast_dtypes.add(torch.get_autocast_dtype(self.device_type))
         self.depth += 1
 
     def _leave(self, _module, _inputs, _output):
-        self.depth = max(0, self.depth - 1)
+        if not _in_backward():
+            self.depth = max(0, self.depth - 1)
 
     def _stepped(self, optimizer, _args, _kwargs):
         if self.verified is not None:
@@ -125,6 +131,11 @@ class Probe:
         if not any(w in wrapper for w in wanted):
             return [f"shard={plan.shard}: the model ran as {wrapper}"]
         return []
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward pass (the test torch.utils.checkpoint itself uses)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _wrapper(root: nn.Module | None) -> str:
