@@ -43,6 +43,8 @@ class LaunchRequest:
 
 def run(request: LaunchRequest) -> int:
     """Run it; returns the exit status (0) or raises UserError naming what failed."""
+    from .frameworks.probe import refuse_before_launch
+    refuse_before_launch(request.script)  # a framework script's plan this machine cannot run
     if request.in_process:
         return run_in_process(request.script, request.args, request.profile,
                               request.profile_steps, request.save_parameters)

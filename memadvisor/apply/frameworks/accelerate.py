@@ -13,6 +13,8 @@ world=W             ``dataloader_config=DataLoaderConfiguration(split_batches=Tr
                     loader's batch is the global batch, each rank takes its slice
 zero2 / zero3       ``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...)``
                     (CUDA only); checkpointing then through the plugin
+checkpoint          ``accelerator.prepare(checkpointed(model), ...)``: torch's checkpoint
+                    around the plan's blocks before accelerate wraps the model
 ddp                 nothing: torchrun's environment makes ``prepare`` wrap in DDP
 ==================  ==================================================================
 
@@ -72,6 +74,8 @@ def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, st
             options.append("activation_checkpointing=True")
         edits.set(call, "fsdp_plugin", f"FullyShardedDataParallelPlugin({', '.join(options)})")
     found = {"configuration": f"Accelerator at line {script.line(call)}"}
+    if plan.checkpoint != "none" and not plan.uses_fsdp:
+        found["checkpointing"] = _checkpoint_model(script, edits, accelerator, alias, at)
     if plan.accum > 1:
         loop, backward = _training_loop(script, accelerator, at)
         edits.set(call, "gradient_accumulation_steps", str(plan.accum))
@@ -93,10 +97,10 @@ def _refuse(script: Script, plan: Plan, at: str) -> None:
     if plan.precision == "bf16":
         raise RewriteError(f"{at}: precision=bf16 (parameters stored in bfloat16): accelerate's "
                            "mixed_precision is autocast; use precision=amp-bf16")
-    if plan.checkpoint != "none" and not (plan.uses_fsdp and plan.checkpoint == "auto"):
-        raise RewriteError(f"{at}: checkpoint={plan.to_dict()['checkpoint']}: accelerate "
-                           "checkpoints activations only through its FSDP plugin "
-                           "(activation_checkpointing=True with shard=zero2/zero3, all blocks)")
+    if plan.checkpoint not in ("none", "auto") and plan.uses_fsdp:
+        raise RewriteError(f"{at}: {Plan(checkpoint=plan.checkpoint)} with "
+                           f"shard={plan.shard}: accelerate's FSDP plugin checkpoints every "
+                           "wrapped block (activation_checkpointing=True): use checkpoint=auto")
     if plan.optimizer != "keep":
         raise RewriteError(f"{at}: optimizer={plan.optimizer}: the script builds its own "
                            "optimizer and accelerate wraps it; change it in the script")
@@ -106,6 +110,24 @@ def _refuse(script: Script, plan: Plan, at: str) -> None:
                 f"offload={'+'.join(sorted(plan.offload))}")
         raise RewriteError(f"{at}: {what} is not expressed through Accelerator(...) by "
                            "memadvisor: use ddp, zero2 or zero3")
+
+
+def _checkpoint_model(script: Script, edits: Edits, accelerator: str, alias: str,
+                      at: str) -> str:
+    """Accelerator has no checkpointing knob outside FSDP: the model handed to ``prepare``
+    goes through ``checkpointed`` (torch's checkpoint around the plan's blocks, as
+    ``memadvisor.apply.checkpointing`` does for raw loops) before accelerate wraps it."""
+    loop, _ = _training_loop(script, accelerator, at)
+    model = _model_name(script, loop, accelerator, at)
+    for call in script.nodes(cst.Call):
+        if source_of(call.func) != f"{accelerator}.prepare":
+            continue
+        for arg in call.args:
+            if arg.keyword is None and source_of(arg.value) == model:
+                edits.nodes[id(arg.value)] = lambda updated: cst.parse_expression(
+                    f"{alias}.checkpointed({source_of(updated)})")
+                return f"{model} at line {script.line(call)}"
+    raise RewriteError(f"{at}: checkpointing: {model} is not passed to {accelerator}.prepare(...)")
 
 
 def _assigned_name(script: Script, call: cst.Call) -> str | None:
@@ -196,3 +218,4 @@ def _lengths_outside(script: Script, name: str, loop) -> list[cst.Call]:
     return [c for c in script.nodes(cst.Call)
             if source_of(c.func) == "len" and len(c.args) == 1
             and source_of(c.args[0].value) == name and not _within(script, c, loop)]
+

@@ -6,7 +6,7 @@ plan                Lightning
 ==================  ==================================================================
 amp-bf16 / amp-fp16 ``precision="bf16-mixed"`` / ``"16-mixed"``; bf16: ``"bf16-true"``
 accum=K             ``accumulate_grad_batches=K``
-world=W             ``devices=W`` (torchrun's environment is detected by Lightning)
+world=W             ``devices``/``num_nodes`` = torchrun's ranks per node / nodes
 ddp                 ``strategy="ddp"``
 zero2/zero3/hybrid  ``strategy=FSDPStrategy(sharding_strategy=...)`` (CUDA only)
 checkpoint          a ``Callback`` whose ``setup`` applies torch's checkpoint to the
@@ -70,7 +70,9 @@ def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, st
                                "effective batch: remove it from the script first")
         edits.set(call, "accumulate_grad_batches", str(plan.accum))
     if plan.world > 1:
-        edits.set(call, "devices", str(plan.world))
+        # torchrun starts the ranks; Lightning checks devices x num_nodes against its world
+        edits.set(call, "devices", f"{alias}.ranks_per_node({plan.world})")
+        edits.set(call, "num_nodes", f"{alias}.nodes({plan.world})")
         edits.set(call, "strategy", _strategy(plan, package, alias, edits))
     if plan.checkpoint != "none":
         _add_callback(edits, call, f"{alias}.lightning_checkpointing()")

@@ -12,8 +12,10 @@ optimizer's class.  A knob that did not take effect stops the run there, naming 
 """
 from __future__ import annotations
 
+import ast
 import math
 import os
+import re
 import sys
 
 import torch
@@ -109,7 +111,7 @@ class Probe:
             facts.append("parameters in bfloat16")
         if plan.checkpoint != "none":
             if not self.recomputed:
-                problems.append(f"checkpoint={plan.to_dict()['checkpoint']}: no module of the "
+                problems.append(f"{Plan(checkpoint=plan.checkpoint)}: no module of the "
                                 "model was recomputed in backward")
             facts.append(f"{self.recomputed} module call(s) recomputed in backward")
         problems += self._check_ranks(facts)
@@ -129,7 +131,10 @@ class Probe:
                                                                   "_HYBRID_SHARD_ZERO2"),
                   "zero3": ("FSDP2", "FULL_SHARD", "HYBRID_SHARD")}.get(plan.shard, ())
         if not any(w in wrapper for w in wanted):
-            return [f"shard={plan.shard}: the model ran as {wrapper}"]
+            hint = (" (accelerate distributes on a machine without CUDA only with "
+                    "Accelerator(cpu=True))" if self.framework == "accelerate"
+                    and self.device_type == "cpu" else "")
+            return [f"shard={plan.shard}: the model ran as {wrapper}{hint}"]
         return []
 
 
@@ -173,13 +178,7 @@ def expect_plan(plan: str, framework: str) -> None:
     global _probe
     plan_obj = Plan.parse_spec(plan)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    problems = environment_problems(plan_obj, Environment(
-        device_type=device_type, fp16_supported=device_type == "cuda",
-        bf16_supported=torch.cuda.is_bf16_supported() if device_type == "cuda" else True))
-    if plan_obj.uses_fsdp and device_type != "cuda":
-        problems.insert(0, f"shard={plan_obj.shard} under {LABELS[framework]} needs CUDA GPUs "
-                           f"and this machine has none: {FSDP_ON_CPU[framework]}; use shard=ddp "
-                           "here")
+    problems = machine_problems(plan_obj, framework)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan_obj.world:
         problems.append(f"the plan is for world={plan_obj.world} but this run has {world} "
@@ -190,6 +189,39 @@ def expect_plan(plan: str, framework: str) -> None:
         for handle in _probe.handles:
             handle.remove()
     _probe = Probe(plan_obj, framework, device_type)
+
+
+def machine_problems(plan: Plan, framework: str) -> list[str]:
+    """Why this machine cannot run ``plan`` under ``framework`` (empty when it can)."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    problems = environment_problems(plan, Environment(
+        device_type=device_type, fp16_supported=device_type == "cuda",
+        bf16_supported=torch.cuda.is_bf16_supported() if device_type == "cuda" else True))
+    if plan.uses_fsdp and device_type != "cuda":
+        problems.insert(0, f"shard={plan.shard} under {LABELS[framework]} needs CUDA GPUs "
+                           f"and this machine has none: {FSDP_ON_CPU[framework]}; use shard=ddp "
+                           "here")
+    return problems
+
+
+_EXPECT = re.compile(r"\.expect_plan\((\"[^\"]*\"), framework=(\"[^\"]*\")\)")
+
+
+def refuse_before_launch(script) -> None:
+    """For a rewritten framework script, what ``expect_plan`` would refuse on every rank,
+    refused once before torchrun starts any."""
+    try:
+        text = open(script, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError):
+        return
+    match = _EXPECT.search(text)
+    if match is None:
+        return
+    plan, framework = (ast.literal_eval(group) for group in match.groups())
+    if framework in LABELS:
+        problems = machine_problems(Plan.parse_spec(plan), framework)
+        if problems:
+            raise PlanError(problems[0])
 
 
 def split_batch(batch_size: int, parts: int) -> int:
@@ -204,6 +236,28 @@ def optimizer_steps(batches: int, accum: int) -> int:
     """Optimizer steps in ``batches`` micro-batches: accelerate also steps on a last,
     shorter group at the end of the loader."""
     return math.ceil(batches / accum)
+
+
+def checkpointed(model: nn.Module) -> nn.Module:
+    """``model`` with the plan's checkpointing applied in place (the names and the module
+    tree stay), for frameworks that take the model as it is (accelerate's ``prepare``)."""
+    from ..checkpointing import apply_checkpointing
+    if _probe is None:
+        raise PlanError("checkpointed() needs expect_plan() first (the rewritten script's "
+                        "second line)")
+    apply_checkpointing(model, _probe.plan)
+    return model
+
+
+def ranks_per_node(world: int) -> int:
+    """Lightning's ``devices``: the ranks torchrun started on this node (``world`` when the
+    script runs without torchrun, which ``expect_plan`` refuses for world > 1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def nodes(world: int) -> int:
+    """Lightning's ``num_nodes``: the plan's world over the ranks on this node."""
+    return max(1, world // ranks_per_node(world))
 
 
 def finish(save_parameters: str | None = None, completed: bool = True) -> None:
@@ -301,3 +355,4 @@ def repeated_blocks_policy():
         return id(module) in chosen
 
     return CustomPolicy(wrap)
+

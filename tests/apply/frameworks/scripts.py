@@ -98,7 +98,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(24, 8, generator=g), torch.randn(24, generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=len(loader))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)

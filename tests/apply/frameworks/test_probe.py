@@ -92,3 +92,15 @@ def test_saved_parameters_carry_the_users_names(tmp_path):
     saved = torch.load(tmp_path / "p.pt")
     assert saved["names"] == [n for n, _ in model.named_parameters()]
     assert torch.equal(saved["tensors"][0], model[0].weight.detach())
+
+
+def test_a_rewritten_script_this_machine_cannot_run_is_refused_before_launch(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    script = tmp_path / "train.py"
+    script.write_text('import memadvisor.apply.frameworks as mem\n'
+                      'mem.expect_plan("shard=zero3,world=2", framework="lightning")\n')
+    with pytest.raises(PlanError, match="shard=zero3 under Lightning needs CUDA"):
+        probe.refuse_before_launch(script)
+    script.write_text('mem.expect_plan("shard=ddp,world=2", framework="lightning")\n')
+    probe.refuse_before_launch(script)  # DDP runs here: nothing to refuse

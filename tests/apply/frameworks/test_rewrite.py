@@ -59,7 +59,8 @@ def test_lightning_accum_and_ddp_edit_trainer_and_the_training_loader():
     text = "\n".join(added(LIGHTNING, "accum=2,shard=ddp,world=2,checkpoint=auto"))
     assert "batch_size=mem.split_batch(8, parts=4)" in text
     assert "accumulate_grad_batches=2" in text and 'strategy="ddp"' in text
-    assert "devices=2" in text and "callbacks=[mem.lightning_checkpointing()]" in text
+    assert "devices=mem.ranks_per_node(2)" in text and "num_nodes=mem.nodes(2)" in text
+    assert "callbacks=[mem.lightning_checkpointing()]" in text
 
 
 def test_lightning_fsdp_uses_fsdp_strategy():
@@ -89,8 +90,16 @@ def test_accelerate_ranks_split_each_batch():
     assert "dataloader_config=DataLoaderConfiguration(split_batches=True)" in text
 
 
-def test_accelerate_refuses_checkpointing_without_fsdp():
-    assert "checkpoint=auto" in refusal(ACCELERATE, "checkpoint=auto")
+def test_accelerate_checkpoints_the_model_it_prepares():
+    text = "\n".join(added(ACCELERATE, "checkpoint=auto"))
+    assert "accelerator.prepare(mem.checkpointed(model), optimizer, loader, scheduler)" in text
+
+
+def test_accelerate_fsdp_checkpoints_through_its_plugin_only():
+    text = "\n".join(added(ACCELERATE, "shard=zero3,world=2,checkpoint=auto"))
+    assert "FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True, " \
+           "activation_checkpointing=True)" in text and "mem.checkpointed" not in text
+    assert "checkpoint=0" in refusal(ACCELERATE, "shard=zero3,world=2,checkpoint=0")
 
 
 def test_a_rewritten_framework_script_is_not_rewritten_again():
