@@ -165,6 +165,9 @@ def _check_optimizer(plan: Plan, optimizer, facts: list[str]) -> list[str]:
               "adam8bit": "8bit"}.get(plan.optimizer)
     if wanted is not None and wanted not in name and wanted not in type(inner).__module__:
         return [f"optimizer={plan.optimizer}: the step ran {name}"]
+    momentum = getattr(inner, "defaults", {}).get("momentum", 0.0)
+    if plan.optimizer.startswith("sgd") and (momentum > 0) != (plan.optimizer == "sgd-momentum"):
+        return [f"optimizer={plan.optimizer}: the step ran SGD with momentum {momentum}"]
     return []
 
 

@@ -104,3 +104,9 @@ def test_a_rewritten_script_this_machine_cannot_run_is_refused_before_launch(tmp
         probe.refuse_before_launch(script)
     script.write_text('mem.expect_plan("shard=ddp,world=2", framework="lightning")\n')
     probe.refuse_before_launch(script)  # DDP runs here: nothing to refuse
+
+
+def test_an_optimizer_swap_that_did_not_happen_stops_the_first_step():
+    probe.expect_plan("optimizer=sgd-momentum", framework="hf-trainer")
+    with pytest.raises(PlanError, match="optimizer=sgd-momentum: the step ran SGD with momentum 0"):
+        train()  # plain SGD, no momentum

@@ -99,3 +99,21 @@ def test_lightning_under_torchrun_takes_its_devices_from_the_launcher(tmp_path):
     done, saved = apply(tmp_path, LIGHTNING, "shard=ddp,world=2", "lit2")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "DistributedDataParallel on 2 ranks" in done.stderr and saved.exists()
+
+
+def checked(done) -> str:
+    assert done.returncode == 0, done.stderr[-2000:]
+    return next(line for line in done.stderr.splitlines() if "checked at the first" in line)
+
+
+@needs("transformers")
+def test_hf_trainer_precision_and_optimizer_are_seen_in_the_run(tmp_path):
+    done, _ = apply(tmp_path, HF_TRAINER, "precision=amp-bf16,optimizer=sgd-momentum", "hfo")
+    line = checked(done)
+    assert "autocast torch.bfloat16 in the forward" in line and "optimizer SGD" in line
+
+
+@needs("lightning")
+def test_lightning_precision_is_seen_in_the_run(tmp_path):
+    done, _ = apply(tmp_path, LIGHTNING, "precision=amp-bf16", "litp")
+    assert "autocast torch.bfloat16 in the forward" in checked(done)
