@@ -13,6 +13,7 @@ optimizer's class.  A knob that did not take effect stops the run there, naming 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import math
 import os
 import re
@@ -199,7 +200,8 @@ def machine_problems(plan: Plan, framework: str) -> list[str]:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     problems = environment_problems(plan, Environment(
         device_type=device_type, fp16_supported=device_type == "cuda",
-        bf16_supported=torch.cuda.is_bf16_supported() if device_type == "cuda" else True))
+        bf16_supported=torch.cuda.is_bf16_supported() if device_type == "cuda" else True,
+        bitsandbytes_available=importlib.util.find_spec("bitsandbytes") is not None))
     if plan.uses_fsdp and device_type != "cuda":
         problems.insert(0, f"shard={plan.shard} under {LABELS[framework]} needs CUDA GPUs "
                            f"and this machine has none: {FSDP_ON_CPU[framework]}; use shard=ddp "

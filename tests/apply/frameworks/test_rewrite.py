@@ -105,3 +105,35 @@ def test_accelerate_fsdp_checkpoints_through_its_plugin_only():
 def test_a_rewritten_framework_script_is_not_rewritten_again():
     once = rewrite_source(LIGHTNING, Plan.parse("accum=2"), "t.py").code
     assert "already rewritten" in refusal(once, "accum=4")
+
+
+@needs_transformers
+@pytest.mark.parametrize("shard, reshard", [("zero2", False), ("zero3", True)])
+def test_hf_fsdp_knobs_are_accepted_by_the_installed_training_arguments(tmp_path, shard,
+                                                                        reshard):
+    import ast
+
+    from transformers import TrainingArguments
+
+    from memadvisor.apply.frameworks.hf_trainer import _sharding
+    knobs = _sharding(Plan.parse(f"shard={shard},world=2"), "train.py:1")
+    arguments = TrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                  fsdp=ast.literal_eval(knobs["fsdp"]),
+                                  fsdp_config=ast.literal_eval(knobs["fsdp_config"]))
+    assert arguments.fsdp_plugin_args["fsdp_version"] == 2
+    assert arguments.fsdp_plugin_args["reshard_after_forward"] is reshard
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="lightning is not installed")
+def test_lightning_fsdp_strategy_builds_with_the_repeated_blocks_policy():
+    import torch
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from memadvisor.apply.frameworks import repeated_blocks_policy
+    policy = repeated_blocks_policy()
+    strategy = FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", auto_wrap_policy=policy)
+    assert strategy.sharding_strategy.name == "SHARD_GRAD_OP"
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]))
+    wrapped = policy._run_policy(model, set(), {})  # torch's own entry point
+    assert {type(m).__name__ for m in wrapped} >= {"Linear"} and len(wrapped) >= 2
