@@ -128,8 +128,9 @@ def _sharding(plan: Plan, at: str) -> dict[str, str]:
                            "through DeepSpeed (not configured by memadvisor): use ddp, zero2 or "
                            "zero3")
     if plan.hybrid is not None:
-        raise RewriteError(f"{at}: hybrid={plan.hybrid}: TrainingArguments' FSDP2 config has "
-                           "no hybrid sharding group size: drop hybrid")
+        raise RewriteError(f"{at}: hybrid={plan.hybrid}: the installed transformers shards "
+                           "hybrid only with FSDP1 (deprecated there); its FSDP2 config has no "
+                           "hybrid group: drop hybrid")
     if "activations" in plan.offload:
         raise RewriteError(f"{at}: offload=activations has no TrainingArguments knob")
     if not plan.uses_fsdp:

@@ -6,8 +6,7 @@ The framework realises the plan with its own knobs, so memadvisor cannot trust a
 accelerate and the HF Trainer on a CPU-only machine accept an FSDP config and run DDP or
 nothing.  So the run is *measured* until its first optimizer step, through torch's global
 module and optimizer hooks: forward passes per step (accumulation), autocast inside the
-forward (precision), a block of the model called again after its forward returned
-(recomputation), the wrapper the model runs under and the world size (sharding), the
+forward (precision), a module of the model called again inside backward (recomputation), the wrapper the model runs under and the world size (sharding), the
 optimizer's class.  A knob that did not take effect stops the run there, naming it.
 """
 from __future__ import annotations
@@ -141,7 +140,8 @@ class Probe:
 
 def _in_backward() -> bool:
     """Inside autograd's backward pass (the test torch.utils.checkpoint itself uses)."""
-    return torch._C._current_graph_task_id() != -1
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 def _wrapper(root: nn.Module | None) -> str:
