@@ -43,6 +43,8 @@ class LaunchRequest:
 
 def run(request: LaunchRequest) -> int:
     """Run it; returns the exit status (0) or raises UserError naming what failed."""
+    from .frameworks.probe import refuse_before_launch
+    refuse_before_launch(request.script)  # a framework script's plan this machine cannot run
     if request.in_process:
         return run_in_process(request.script, request.args, request.profile,
                               request.profile_steps, request.save_parameters)
@@ -53,6 +55,7 @@ def run(request: LaunchRequest) -> int:
 def run_in_process(script: Path, args: list[str], profile: Path | None = None,
                    profile_steps: int = 3, save_parameters: Path | None = None) -> int:
     from . import runtime
+    from .frameworks import probe as frameworks
     completed = False
     try:
         if profile is not None:
@@ -63,6 +66,8 @@ def run_in_process(script: Path, args: list[str], profile: Path | None = None,
     finally:
         runtime.finish(save_parameters=str(save_parameters) if save_parameters and completed
                        else None)
+        # a framework script's plan: stop if it was never checked, save what it trained
+        frameworks.finish(str(save_parameters) if save_parameters else None, completed)
     return 0
 
 

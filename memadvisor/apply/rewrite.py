@@ -58,6 +58,9 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
     except cst.ParserSyntaxError as exc:
         raise RewriteError(f"cannot parse {filename}: line {exc.editor_line}: "
                            f"{str(exc.message).splitlines()[0]}") from None
+    from . import frameworks  # HF Trainer, Lightning, accelerate: their own knobs, no loop edits
+    if frameworks.detect(module, filename) is not None:
+        return frameworks.rewrite(module, source, plan, filename)
     finder = ScriptFinder(module, filename)
     existing = _existing_prepare(finder)
     if existing is not None:
