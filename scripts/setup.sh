@@ -23,7 +23,9 @@ else
 fi
 VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[test]"
+# the zoo extra (transformers, lightning, accelerate): the framework tests of `apply`;
+# torch named again so that pip keeps the pinned one while resolving them
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[test,zoo]" "torch==2.13.0"
 if [ "${MEMADVISOR_SKIP_BROWSER:-0}" != 1 ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
   # browser tests drive the system Chromium through Playwright (never `playwright install`)
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
