@@ -89,10 +89,11 @@ def _script(trace, trace_path, required: bool):
 
 def check_plans(data: dict, result, script, meta, hw, verify_count: int) -> bool:
     """Mark each shown plan that ``apply`` cannot realise for the script, execute the top
-    ``verify_count`` others, and choose the best: the first plan realisable and, where
-    executed, fitting.  Fills ``data['best']`` (an index into ``data['plans']`` or None);
-    returns whether plans were checked at all (the script was found)."""
-    from ..verify import apply_refusals, compare, verify_plan
+    ``verify_count`` others (more, up to twice as many, while executed ones do not fit),
+    and choose the best: the first plan realisable and, where executed, fitting.  Fills
+    ``data['best']`` (an index into ``data['plans']`` or None); returns whether plans were
+    checked at all (the script was found)."""
+    from ..verify import apply_refusals
     from ..verify.compare import plan_check_text
     data["apply_checked"] = script is not None
     data["verified"] = 0
@@ -100,41 +101,47 @@ def check_plans(data: dict, result, script, meta, hw, verify_count: int) -> bool
         data["best"] = 0 if data["plans"] else None
         return False
     refused = apply_refusals(script, [p.plan for p in result.ranked])
-    best = None
-    fitting = 0
+    candidates = []
     for index, (shown, prediction) in enumerate(zip(data["plans"], result.ranked)):
         shown["apply_refused"] = refused.get(prediction.plan.to_compact())
-        if shown["apply_refused"] is not None:
-            continue
-        if fitting < verify_count and data["verified"] < 2 * verify_count:
-            click.echo(f"memadvisor: executing plan {index + 1}, {prediction.plan} ...",
-                       err=True)
-            verification = verify_plan(script, meta, prediction.plan, hw)
-            shown["verification"] = compare(prediction, verification, result.usable_bytes)
+        if shown["apply_refused"] is None:
+            candidates.append(index)
+    fitting = 0
+    while fitting < verify_count and candidates and data["verified"] < 2 * verify_count:
+        batch = candidates[:min(verify_count - fitting, 2 * verify_count - data["verified"])]
+        candidates = candidates[len(batch):]
+        records = _execute(batch, result, script, meta, hw)
+        for index, record in zip(batch, records):
+            data["plans"][index]["verification"] = record
             data["verified"] += 1
-            if not shown["verification"]["fits"]:
-                continue
-            fitting += 1
-        if best is None:
-            best = index
-    for shown in data["plans"]:
+            fitting += bool(record["fits"])
+    best = None
+    for index, shown in enumerate(data["plans"]):
         shown["check_mark"], shown["check_notes"] = plan_check_text(shown)
+        executed_fit = shown.get("verification", {}).get("fits", True)
+        if best is None and shown["apply_refused"] is None and executed_fit:
+            best = index
     data["best"] = best
     return True
 
 
-def _check_save_path(path: str, overwrite: bool) -> None:
-    """Refuse a path the plan cannot be written to before the search, not after it."""
-    from ..errors import UserError
+def _execute(indexes: list[int], result, script, meta, hw) -> list[dict]:
+    """Verify these ranked plans; fake executions run side by side (one process each, as
+    many as there are cores), real CPU runs one after another (they share the cores the
+    measured kernels would use)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    if not path.strip():
-        raise UserError("--save-plan needs a file name, e.g. --save-plan plan.json")
-    if os.path.isdir(path):
-        raise UserError(f"--save-plan {path} is a directory; name a file, e.g. "
-                        f"{os.path.join(path, 'plan.json')}")
-    parent = os.path.dirname(path) or "."
-    if not os.path.isdir(parent):
-        what = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise UserError(f"--save-plan {path}: the folder {parent} {what}")
-    if os.path.exists(path) and not overwrite:
-        raise UserError(f"{path} exists; pass --overwrite to replace it")
+    from ..verify import compare, verify_plan
+
+    def one(index):
+        prediction = result.ranked[index]
+        verification = verify_plan(script, meta, prediction.plan, hw)
+        click.echo(f"memadvisor: executed plan {index + 1}, {prediction.plan} "
+                   f"({verification.seconds:.0f} s)", err=True)
+        return compare(prediction, verification, result.usable_bytes)
+
+    click.echo(f"memadvisor: executing plan{'s' if len(indexes) > 1 else ''} "
+               f"{', '.join(str(i + 1) for i in indexes)} to verify them ...", err=True)
+    workers = min(len(indexes), os.cpu_count() or 1) if hw.device_type == "cuda" else 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, indexes))

@@ -25,8 +25,11 @@ from ..terminal import safe_text
 @click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
               help="With --verify on a GPU: the ranks to execute (repeatable) [default: 0 "
                    "and the last].")
+@click.option("--verify-by", "verify_by", type=click.Choice(["fake", "real"]), default=None,
+              help="With --verify: 'fake' tensors (the default on a GPU; on the cpu target it "
+                   "leaves out CPU kernel scratch) or a 'real' run (the cpu target's default).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
-def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, as_json):
+def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, verify_by, as_json):
     """Predict one plan's per-rank peak memory and step-time cost, without running it."""
     from ..errors import UserError
     from ..plan import Plan, environment_problems
@@ -43,8 +46,11 @@ def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, as_j
     problems = environment_problems(plan, target_environment(hw))
     if problems:
         raise UserError(f"cannot simulate {plan} on {hw.name}: {problems[0]}")
-    if ranks and not verify:
-        raise UserError("--rank chooses the ranks --verify executes: add --verify")
+    if (ranks or verify_by) and not verify:
+        raise UserError("--rank and --verify-by say how --verify executes: add --verify")
+    if verify_by == "real" and hw.device_type != "cpu":
+        raise UserError(f"--verify-by real runs the plan on this machine's CPU; {hw.name} "
+                        "can only be verified by fake execution")
     script = None
     if verify:
         from ..verify import ranks_to_run, recorded_script
@@ -56,7 +62,8 @@ def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, as_j
         from ..verify import compare, verify_plan
         from ..verify.compare import verification_lines
         click.echo(f"memadvisor: executing {plan} to verify the prediction ...", err=True)
-        verification = verify_plan(script, trace.meta, plan, hw, ranks=ranks or None)
+        verification = verify_plan(script, trace.meta, plan, hw, ranks=ranks or None,
+                                   method=verify_by)
         data["verification"] = compare(prediction, verification)
     text = json.dumps(data, indent=2) if as_json else safe_text(simulate_text(data))
     if verify and not as_json:

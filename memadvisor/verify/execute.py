@@ -73,10 +73,15 @@ class Verification:
 
 
 def verify_plan(script: RecordedScript, meta, plan: Plan, hw, *, ranks=None,
-                steps: int | None = None) -> Verification:
-    """Run ``plan`` on ``script`` (as ``memadvisor apply`` would) and measure its peaks."""
+                steps: int | None = None, method: str | None = None) -> Verification:
+    """Run ``plan`` on ``script`` (as ``memadvisor apply`` would) and measure its peaks.
+    ``method``: 'fake' or 'real' (the CPU target only); default fake on a GPU, real on
+    the CPU."""
     started = time.monotonic()
-    method = "fake" if hw.device_type == "cuda" else "real"
+    method = method or ("fake" if hw.device_type == "cuda" else "real")
+    if method == "real" and hw.device_type != "cpu":
+        raise UserError(f"a real run can only verify the cpu target (this machine), not "
+                        f"{hw.name}: use fake execution")
     steps = steps or max(1, min(int(meta.steps_completed or MAX_STEPS), MAX_STEPS))
     code, refused = rewritten(script, plan)
     if refused:
@@ -109,20 +114,21 @@ def ranks_to_run(world: int, ranks=None) -> list[int]:
 def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks) -> Verification:
     from ..commands.profile_fake import run_child
     from ..gpus import gpu_profile
-    gpu = gpu_profile(hw.name)
+    gpu = gpu_profile(hw.name) if hw.device_type == "cuda" else None
     chosen = ranks_to_run(plan.world, ranks)
     of = f" of {plan.world}" if plan.world > 1 else ""
     names = " and ".join(str(r) for r in chosen) if len(chosen) <= 2 else \
         ", ".join(str(r) for r in chosen)
-    where = (f"fake tensors on a simulated {gpu.device_name}, rank{'s' if len(chosen) > 1 else ''}"
-             f" {names}{of}, {steps} step{'s' if steps > 1 else ''}") if plan.world > 1 else \
-        f"fake tensors on a simulated {gpu.device_name}, {steps} step{'s' if steps > 1 else ''}"
+    device = f"a simulated {gpu.device_name}" if gpu else "the CPU (no kernel scratch)"
+    ranks_text = (f", rank{'s' if len(chosen) > 1 else ''} {names}{of}"
+                  if plan.world > 1 else "")
+    where = f"fake tensors on {device}{ranks_text}, {steps} step{'s' if steps > 1 else ''}"
     verification = Verification(plan=plan, method="fake", where=where)
     with tempfile.TemporaryDirectory(prefix="memadvisor-verify-") as folder:
         for rank in chosen:
             output = Path(folder) / f"rank{rank}.trace"
             spec = {"script": str(copy), "args": script.args, "output": str(output),
-                    "gpu": hw.name, "nproc": plan.world, "rank": rank, "steps": steps,
+                    "gpu": gpu.name if gpu else None, "nproc": plan.world, "rank": rank, "steps": steps,
                     "timeout_s": FAKE_STEP_TIMEOUT_S, "step_boundary": "auto", "quiet": True}
             try:
                 result = run_child(spec, cwd=str(script.cwd), capture=True)
@@ -145,18 +151,26 @@ def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks)
                 verification.ranks.append(_fake_rank_peaks(Path(result["trace_path"]), rank,
                                                            plan.world, gpu))
             except UserError as exc:
-                verification.failed = f"rank {rank}: {exc}"
+                args = f" {' '.join(script.args)}" if script.args else " no arguments"
+                verification.failed = (f"rank {rank}: {exc}; it ran with{args} as profiled: "
+                                       "a script that picks the CPU by itself or by an "
+                                       "argument cannot be verified on a GPU")
                 return verification
     return verification
 
 
 def _fake_rank_peaks(trace_path: Path, rank: int, world: int, gpu) -> RankPeaks:
-    """The analysed step's modelled peaks on the rank's GPU."""
+    """The analysed step's modelled peaks on the rank's GPU (on the CPU: its recorded
+    peak; the CPU's allocator caches nothing)."""
     from ..simulate.allocator_config import parse_alloc_conf
     from ..simulate.recorded_state import model_whole_run
     from ..trace.analysis import analysed_step
     from ..trace.io import Trace, read_trace
     trace = read_trace(trace_path)
+    if gpu is None:
+        step = analysed_step(trace)
+        return RankPeaks(rank=rank, peak_allocated_bytes=int(trace.meta.steps[step]["peak_bytes"]),
+                         peak_reserved_bytes=None, steps_completed=trace.meta.steps_completed)
     device = _rank_device(trace, rank, world)
     events = trace.events[trace.events["device"] == device].reset_index(drop=True)
     step = analysed_step(trace)
@@ -173,8 +187,7 @@ def _rank_device(trace, rank: int, world: int) -> str:
     """The GPU the rank used: its own index where the script set it, else the one used."""
     used = trace.events.loc[trace.events["device"].astype(str).str.startswith("cuda"), "device"]
     if used.empty:
-        raise UserError("the applied script put nothing on the GPU under fake execution "
-                        "(a device chosen without asking torch.cuda.is_available()?)")
+        raise UserError("the applied script put nothing on the GPU under fake execution")
     expected = f"cuda:{rank % min(world, 8)}"
     counts = used.value_counts()
     return expected if expected in counts.index else str(counts.index[0])

@@ -1,0 +1,180 @@
+"""The zoo's accuracy matrix: analytic, executed and measured peaks, script x plan.
+
+    python benchmarks/verify_matrix.py                          # every zoo script x PLANS
+    python benchmarks/verify_matrix.py --only vae,moe --plans accum=2,shard=zero2,world=2
+    python benchmarks/verify_matrix.py --markdown docs/ACCURACY_ZOO.md --json out.json
+
+Per zoo script (``zoo/``, run with its defaults): one real profile on this CPU (3 steps),
+then per plan, all through the CLI a user has:
+
+* **analytic**: ``simulate TRACE --plan P --json`` (the cpu target): ``peak_bytes``;
+* **executed**: ``simulate ... --verify --verify-by fake``: the script rewritten by
+  ``apply`` and run on fake CPU tensors (ranks 0 and the last on a fake process group),
+  its last step's peak (no CPU kernel scratch: fake tensors run no kernels);
+* **measured**: ``simulate ... --verify --verify-by real``: the same rewrite run for real
+  (``apply --profile``; torchrun on gloo for several ranks), the worst rank's last-step
+  peak.  FSDP plans (zero2/zero3) measure ``--fsdp-runs`` times and keep the highest
+  (gloo's worker thread frees collective buffers at a time the scheduler picks);
+* **gpu**: with ``--gpu NAME`` also the analytic and the fake-executed peak on that GPU
+  (reserved bytes through the allocator model; nothing here can measure a GPU).
+
+Errors are (prediction - measured) / measured.  A case ``apply`` refuses, or whose run
+fails, is listed with its one-line reason and left out of the error statistics (counted).
+Prints a Markdown table and the median / worst errors per column.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "zoo"))
+
+from zoo_scripts import quiet_environment, zoo_scripts  # noqa: E402
+
+PLANS = ["precision=amp-bf16", "checkpoint=auto", "accum=2", "optimizer=sgd",
+         "precision=amp-bf16,checkpoint=auto,accum=2", "shard=ddp,world=2",
+         "shard=zero2,world=2", "shard=zero3,world=2"]
+FSDP = ("shard=zero2", "shard=zero3")
+
+
+def _cli(*args, cwd, timeout_s=900) -> subprocess.CompletedProcess:
+    env = {**quiet_environment(), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "memadvisor.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def _last_line(proc) -> str:
+    lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line]
+    return lines[-1].removeprefix("memadvisor: error: ")[:240] if lines else \
+        f"exit {proc.returncode}"
+
+
+def _simulate(trace: Path, plan: str, *options) -> tuple[dict | None, str]:
+    proc = _cli("simulate", str(trace), "--plan", plan, "--json", *options, cwd=trace.parent)
+    if not proc.stdout.strip().startswith("{"):
+        return None, _last_line(proc)
+    data = json.loads(proc.stdout)
+    record = data.get("verification")
+    if record is not None and not record["executed"]:
+        return data, record["refused"] or record["failed"]
+    return data, ""
+
+
+def run_case(script, trace: Path, plan: str, gpu: str | None, fsdp_runs: int) -> dict:
+    row = {"script": script.name, "plan": plan}
+    analytic, why = _simulate(trace, plan)
+    if analytic is None:
+        return {**row, "skipped": why}
+    row["analytic"] = analytic["peak_bytes"]
+    executed, why = _simulate(trace, plan, "--verify", "--verify-by", "fake")
+    if why:
+        return {**row, "skipped": f"executed: {why}"}
+    row["executed"] = executed["verification"]["executed_peak_bytes"]
+    measured = []
+    for _ in range(fsdp_runs if plan.startswith(FSDP) else 1):
+        real, why = _simulate(trace, plan, "--verify", "--verify-by", "real")
+        if why:
+            return {**row, "skipped": f"measured: {why}"}
+        measured.append(real["verification"]["executed_peak_bytes"])
+    row["measured"] = max(measured)
+    row["measured_runs"] = measured
+    if gpu:
+        on_gpu, why = _simulate(trace, plan, "--gpu", gpu, "--verify")
+        row["gpu_analytic"] = on_gpu["peak_bytes"] if on_gpu else None
+        row["gpu_executed"] = None if why else on_gpu["verification"]["executed_peak_bytes"]
+        row["gpu_note"] = why
+    return row
+
+
+def _error(row, key):
+    return (row[key] - row["measured"]) / row["measured"]
+
+
+def markdown(rows: list[dict], gpu: str | None, command: str) -> str:
+    done = [r for r in rows if "measured" in r]
+    out = [f"Date: {datetime.date.today()}.  Machine: {platform.machine()} CPU, "
+           f"{os.cpu_count()} cores, {platform.processor() or platform.platform()}; "
+           f"command: `{command}`.", ""]
+    for key in ("analytic", "executed"):
+        errors = [abs(_error(r, key)) for r in done]
+        if errors:
+            out.append(f"- **{key}** vs measured over {len(done)} cases: median "
+                       f"{statistics.median(errors):.2%}, worst {max(errors):.2%}")
+    out.append(f"- not measured: {len(rows) - len(done)} of {len(rows)} cases (reasons below)")
+    out += ["", "| script | plan | measured | analytic | executed (fake) |"
+            + (f" {gpu} analytic | {gpu} executed |" if gpu else ""),
+            "|---|---|---:|---:|---:|" + ("---:|---:|" if gpu else "")]
+    for r in done:
+        line = (f"| {r['script']} | `{r['plan']}` | {r['measured']:,} | "
+                f"{_error(r, 'analytic'):+.2%} | {_error(r, 'executed'):+.2%} |")
+        if gpu:
+            line += (f" {r.get('gpu_analytic') or '-':,} | "
+                     f"{r.get('gpu_executed') or r.get('gpu_note') or '-'} |"
+                     if isinstance(r.get("gpu_analytic"), int) else " - | - |")
+        out.append(line)
+    skipped = [r for r in rows if "skipped" in r]
+    if skipped:
+        out += ["", "Not measured:", ""]
+        out += [f"- {r['script']} `{r['plan']}`: {r['skipped']}" for r in skipped]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated zoo script names")
+    parser.add_argument("--plans", help="semicolon-separated plans [default: PLANS]")
+    parser.add_argument("--gpu", help="also predict and execute on this GPU (e.g. h100-80gb)")
+    parser.add_argument("--fsdp-runs", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--keep", type=Path, help="folder for the traces (reused)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path)
+    options = parser.parse_args()
+    names = set(options.only.split(",")) if options.only else None
+    plans = options.plans.split(";") if options.plans else PLANS
+    scripts = [s for s in zoo_scripts() if (names is None or s.name in names)
+               and not s.missing_package()]
+    folder = options.keep or Path(tempfile.mkdtemp(prefix="verify-matrix-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+
+    def one_script(script):
+        trace = folder / f"{script.name}.trace"
+        if not trace.exists():
+            proc = _cli("profile", str(script.path), "-o", str(trace), "--steps", "3", "-q",
+                        cwd=ROOT)
+            if proc.returncode:
+                return [{"script": script.name, "plan": p,
+                         "skipped": f"profile: {_last_line(proc)}"} for p in plans]
+        out = []
+        for plan in plans:
+            row = run_case(script, trace, plan, options.gpu, options.fsdp_runs)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        return out
+
+    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+        for result in pool.map(one_script, scripts):
+            rows += result
+    command = "python benchmarks/verify_matrix.py " + " ".join(sys.argv[1:])
+    text = markdown(rows, options.gpu, command.strip())
+    print(text)
+    if options.json:
+        options.json.write_text(json.dumps(rows, indent=1))
+    if options.markdown:
+        options.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
