@@ -30,13 +30,19 @@ from ..terminal import safe_text
               help="Execute the top K plans (default 5) as `apply` would run them -- fake "
                    "tensors on the simulated GPU, or for real on this CPU for the cpu target -- "
                    "and keep only plans whose executed peak fits.")
+@click.option("--objective", type=click.Choice(["cost", "speed", "memory"]), default=None,
+              help="What 'best' means: cost (GPU-time per step: a GPU that halves the step "
+                   "costs as much; the default), speed (wall time per step: GPUs are free) or "
+                   "memory (the smallest peak).  Without it, a script that already fits is "
+                   "told to change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
 def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segments, save_plan,
-            overwrite, verify_count, as_json):
+            overwrite, verify_count, objective, as_json):
     """Rank every plan that fits a memory budget by predicted step time.  Plans `apply`
     cannot realise for the profiled script are marked; with --verify the top plans are
     executed and the executed peak decides whether they fit."""
     from ..errors import UserError
+    from ..plan import Plan
     from ..trace.io import read_trace
     from ..units import parse_bytes
     from ..simulate import advise, prepare
@@ -53,20 +59,26 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     script = _script(trace, trace_path, required=bool(verify_count))
     allowed = {a.strip() for a in allow.split(",") if a.strip()}
     result = advise(base, hw, budget_bytes, gpus, margin=margin, allow=allowed, top=top,
-                    expandable_segments=expandable_segments)
+                    expandable_segments=expandable_segments, objective=objective or "cost")
     data = advise_dict(base, result, hw)
+    data["objective"] = objective or "cost"
+    # unasked, a script that fits is left as it is: every plan changes something
+    data["keep_as_is"] = objective is None and data["baseline_peak_bytes"] <= result.usable_bytes
     checked = check_plans(data, result, script, trace.meta, hw, verify_count)
     best = data["best"]
-    if save_plan is not None and best is not None:
+    if data["keep_as_is"]:
+        best = data["best"] = None
+    if save_plan is not None and (best is not None or data["keep_as_is"]):
+        chosen = result.ranked[best].plan if best is not None else Plan()
         try:
             with open(save_plan, "w", encoding="utf-8") as f:
-                json.dump(result.ranked[best].plan.to_dict(), f, indent=2)
+                json.dump(chosen.to_dict(), f, indent=2)
                 f.write("\n")
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
             raise UserError(f"cannot write --save-plan {save_plan}: "
                             f"{getattr(exc, 'strerror', None) or exc}") from None
     click.echo(json.dumps(data, indent=2) if as_json else safe_text(advise_text(data)))
-    if best is None and checked:
+    if best is None and checked and not data["keep_as_is"]:
         what = "fits when executed" if verify_count else "can be applied to this script"
         raise UserError(f"none of the plans shown {what}"
                         + (f"; nothing written to {save_plan}" if save_plan else ""),
@@ -145,3 +157,20 @@ def _execute(indexes: list[int], result, script, meta, hw) -> list[dict]:
     workers = min(len(indexes), os.cpu_count() or 1) if hw.device_type == "cuda" else 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(one, indexes))
+
+
+def _check_save_path(path: str, overwrite: bool) -> None:
+    """Refuse a path the plan cannot be written to before the search, not after it."""
+    from ..errors import UserError
+
+    if not path.strip():
+        raise UserError("--save-plan needs a file name, e.g. --save-plan plan.json")
+    if os.path.isdir(path):
+        raise UserError(f"--save-plan {path} is a directory; name a file, e.g. "
+                        f"{os.path.join(path, 'plan.json')}")
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise UserError(f"--save-plan {path}: the folder {parent} {what}")
+    if os.path.exists(path) and not overwrite:
+        raise UserError(f"{path} exists; pass --overwrite to replace it")

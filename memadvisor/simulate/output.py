@@ -118,14 +118,16 @@ def advise_text(data: dict) -> str:
              f"{format_bytes(data['baseline_peak_bytes'])}",
              f"{data['evaluated']} plans: {len(data['plans'])} shown, "
              f"{data['over_budget']} over budget, {data['rejected']} cannot run here", ""]
-    header = f"{'#':>2}  {'peak':>10}  {'reserved':>10}  {'time':>7}  plan"
+    header = f"{'#':>2}  {'peak':>10}  {'reserved':>10}  {'time':>7}  {'GPU-time':>8}  plan"
     lines.append(header)
     notes = []
     for index, plan in enumerate(data["plans"], 1):
         reserved = format_bytes(plan["reserved_bytes"]) if plan["reserved_bytes"] else "-"
         mark = plan.get("check_mark")  # filled by the command that checked the plans
         lines.append(f"{index:>2}  {format_bytes(plan['peak_bytes']):>10}  {reserved:>10}  "
-                     f"x{plan['step_time_factor']:<6.3f}  {plan['plan_compact']}"
+                     f"x{plan['step_time_factor']:<6.3f}  "
+                     f"x{plan['step_time_factor'] * plan['plan']['world']:<7.3f}  "
+                     f"{plan['plan_compact']}"
                      + (f"   [{mark}]" if mark else ""))
         notes += [f"#{index}: {note}" for note in plan.get("check_notes", [])]
     if notes:
@@ -134,6 +136,17 @@ def advise_text(data: dict) -> str:
         lines += ["", "note: the profiled script was not found, so no plan was checked "
                       "against what `apply` can rewrite"]
     best_index = data.get("best", 0 if data["plans"] else None)
+    if data.get("keep_as_is"):
+        lines += ["", f"best: change nothing -- the unmodified script's peak "
+                      f"{format_bytes(data['baseline_peak_bytes'])} fits the usable "
+                      f"{format_bytes(data['usable_bytes'])}; the plans above (ranked by "
+                      f"GPU-time) would still change it: pick one with --objective "
+                      f"cost|speed|memory"]
+        best_index = None
+    elif data.get("objective"):
+        lines += ["", {"cost": "ranked by GPU-time per step (step time x GPUs)",
+                       "speed": "ranked by wall time per step (more GPUs count as free)",
+                       "memory": "ranked by peak memory"}[data["objective"]]]
     if best_index is not None:
         best = data["plans"][best_index]
         lines += ["", f"best: {best['plan_compact']}"]

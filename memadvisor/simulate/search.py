@@ -74,10 +74,31 @@ def candidate_plans(base: Baseline, gpus: int, allow: set[str], hw: Hardware) ->
     return out
 
 
+#: what "best" means: ``cost`` GPU-time per step (step time x GPUs: a second GPU that
+#: halves the step costs the same, and communication makes it cost more), ``speed`` wall
+#: time per step (GPUs are free), ``memory`` the smallest peak
+OBJECTIVES = ("cost", "speed", "memory")
+
+
+def rank_key(objective: str):
+    """The sort key of a prediction under ``objective``; ties go to the plan with fewer
+    techniques, then the smaller peak."""
+    if objective == "speed":
+        return lambda p: (round(p.step_time_factor, 3), _complexity(p.plan), p.peak_bytes)
+    if objective == "memory":
+        return lambda p: (p.reserved_bytes or p.peak_bytes, round(p.step_time_factor, 3),
+                          _complexity(p.plan))
+    if objective == "cost":
+        return lambda p: (round(p.step_time_factor * p.plan.world, 3), _complexity(p.plan),
+                          p.peak_bytes)
+    raise UserError(f"--objective takes {', '.join(OBJECTIVES)}; got {objective!r}")
+
+
 def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
            margin: float = 0.05, allow: set[str] | None = None, top: int = 10,
-           expandable_segments: bool = False) -> SearchResult:
+           expandable_segments: bool = False, objective: str = "cost") -> SearchResult:
     allow = allow or set()
+    key = rank_key(objective)
     unknown = allow - set(SEMANTIC)
     if unknown:
         raise UserError(f"--allow takes {', '.join(SEMANTIC)}; got {', '.join(sorted(unknown))}")
@@ -104,8 +125,7 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
             rejected.append((plan, str(exc)))
             continue
         (fitting if prediction.peak_bytes <= usable else too_big).append(prediction)
-    # equal predicted times: the plan with fewer techniques first, then the smaller peak
-    fitting.sort(key=lambda p: (round(p.step_time_factor, 3), _complexity(p.plan), p.peak_bytes))
+    fitting.sort(key=key)
     # the allocator model for the best plans: reserved memory must fit too
     ranked: list[Prediction] = []
     for prediction in fitting:
@@ -121,7 +141,7 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
         ranked.append(prediction)
     # the same order as the fast pass (both price every term alike), after the allocator
     # model has dropped plans whose reserved memory does not fit
-    ranked.sort(key=lambda p: (round(p.step_time_factor, 3), _complexity(p.plan), p.peak_bytes))
+    ranked.sort(key=key)
     best = {}
     for prediction in ranked[:3]:
         best[prediction.plan.to_compact()] = max_micro_batch(

@@ -85,3 +85,41 @@ def test_trace_of_a_failed_run_is_refused(capsys, tmp_path):
     assert code == 2
     assert "completed no training step" in err and "CUDA out of memory" in err
     assert err.count("\n") == 1
+
+
+def test_a_script_that_fits_is_told_to_change_nothing(capsys, baseline_file, base, tmp_path):
+    plan_file = tmp_path / "plan.json"
+    budget = str(int(base.peak.bytes * 3))
+    code, out, _ = run(capsys, "advise", baseline_file, "--budget", budget, "--gpus", "2",
+                       "--json", "--save-plan", str(plan_file))
+    assert code == 0
+    data = json.loads(out)
+    assert data["keep_as_is"] and data["best"] is None
+    assert Plan.from_json_file(str(plan_file)).to_compact() == Plan().to_compact()
+    _, text, _ = run(capsys, "advise", baseline_file, "--budget", budget)
+    assert "best: change nothing" in text
+    # asked for an objective, it ranks plans as usual
+    code, out, _ = run(capsys, "advise", baseline_file, "--budget", budget, "--objective",
+                       "memory", "--json")
+    data = json.loads(out)
+    assert not data["keep_as_is"] and data["best"] == 0
+    peaks = [p["reserved_bytes"] or p["peak_bytes"] for p in data["plans"]]
+    assert peaks == sorted(peaks)
+
+
+def test_more_gpus_cost_gpu_time_unless_speed_is_asked_for(capsys, baseline_file, base):
+    budget = str(int(base.peak.bytes * 3))
+    ranked = {}
+    for objective in ("cost", "speed"):
+        code, out, _ = run(capsys, "advise", baseline_file, "--budget", budget, "--gpus", "4",
+                           "--objective", objective, "--json", "--top", "40")
+        assert code == 0
+        ranked[objective] = json.loads(out)["plans"]
+    # ranked as the search rounds them (equal to 3 digits: the simpler plan first)
+    cost = [round(p["step_time_factor"] * p["plan"]["world"], 3) for p in ranked["cost"]]
+    assert cost == sorted(cost)
+    speed = [round(p["step_time_factor"], 3) for p in ranked["speed"]]
+    assert speed == sorted(speed)
+    # the fastest plan uses every GPU; the cheapest in GPU-time does not
+    assert ranked["speed"][0]["plan"]["world"] == 4
+    assert ranked["cost"][0]["plan"]["world"] < 4
