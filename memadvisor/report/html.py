@@ -216,8 +216,12 @@ def _plans(page: _Page, data: ReportData) -> str:
     rows, classes = [], []
     for plan in p.predictions:
         fits = {True: "yes", False: "no", None: "—"}[plan.fits]
+        changes = e(plan.changes)
+        if plan.apply_refused:  # recommended nowhere: `apply` would refuse it
+            changes += (f'<br><span class="notice">memadvisor apply cannot realise it for '
+                        f'this script: {e(plan.apply_refused)}</span>')
         rows.append([f"<code>{e(plan.plan)}</code>", fb(plan.peak_bytes), fb(plan.reserved_bytes),
-                     f"×{plan.step_time_factor:.2f}", fits, e(plan.changes)])
+                     f"×{plan.step_time_factor:.2f}", fits, changes])
         classes.append("recommended" if plan is p.recommended else "")
     table = _table([("plan", ""), ("predicted peak", "num"), ("reserved", "num"),
                     ("step time", "num"), ("fits", ""), ("what changes", "")], rows, classes,

@@ -39,6 +39,8 @@ class PlanPrediction:
     changes: str
     fits: bool | None  #: None: no budget to judge against
     timeline: list[tuple[float, int]] | None = None  #: (time or event position, live bytes)
+    #: why ``memadvisor apply`` cannot rewrite the profiled script for this plan, if it cannot
+    apply_refused: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str) -> "PlanPrediction":
@@ -54,7 +56,8 @@ class PlanPrediction:
                    changes=str(data["changes"]),
                    fits=None if data["fits"] is None else bool(data["fits"]),
                    timeline=None if timeline is None else
-                   [(float(x), int(y)) for x, y in timeline])
+                   [(float(x), int(y)) for x, y in timeline],
+                   apply_refused=data.get("apply_refused"))
 
 
 @dataclass
@@ -100,9 +103,14 @@ def _simulator() -> Simulator | None:
     def advise(trace: Trace, budget_bytes: int, num_gpus: int) -> list[dict[str, Any]]:
         base = sim.prepare(trace)
         result = sim.advise(base, sim.hardware(None, trace.meta.device), budget_bytes, num_gpus)
-        # only the recommended (first) plan's timeline is drawn
-        return ([as_dict(p, True, i == 0) for i, p in enumerate(result.ranked)]
-                + [as_dict(p, False, False) for p in result.too_big[:SHOWN_OVER_BUDGET]])
+        refused = _apply_refusals(trace, [p.plan for p in result.ranked])
+        first = next((i for i, p in enumerate(result.ranked)
+                      if p.plan.to_compact() not in refused), None)
+        # only the recommended plan's timeline is drawn: the first apply can realise
+        shown = [{**as_dict(p, True, i == first),
+                  "apply_refused": refused.get(p.plan.to_compact())}
+                 for i, p in enumerate(result.ranked)]
+        return shown + [as_dict(p, False, False) for p in result.too_big[:SHOWN_OVER_BUDGET]]
 
     def simulate(trace: Trace, plan_spec: str, budget_bytes: int | None) -> dict[str, Any]:
         base = sim.prepare(trace)
@@ -114,6 +122,17 @@ def _simulator() -> Simulator | None:
         return data
 
     return Simulator(advise=advise, simulate=simulate)
+
+
+def _apply_refusals(trace: Trace, plans) -> dict[str, str]:
+    """Plan -> why ``apply`` cannot rewrite the profiled script for it (nothing runs);
+    empty where the script is not there to check."""
+    from ..verify import apply_refusals, recorded_script
+    try:
+        script = recorded_script(trace.meta, trace.path or "trace")
+    except UserError:
+        return {}
+    return apply_refusals(script, plans)
 
 
 def timeline_pairs(timeline) -> list[tuple[float, int]] | None:
@@ -167,7 +186,7 @@ def predict_plans(trace: Trace, *, plan_spec: str | None = None,
     if plan_spec is not None:
         recommended = predictions[0]
     else:
-        recommended = next((p for p in predictions if p.fits), None)
+        recommended = next((p for p in predictions if p.fits and not p.apply_refused), None)
     message = "" if recommended else "no plan the simulator knows fits this budget"
     return PlanSection(available=True, message=message, predictions=predictions,
                        recommended=recommended, requested=requested)

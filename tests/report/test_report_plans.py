@@ -96,3 +96,31 @@ def test_real_simulator_through_the_adapter(tmp_path):
 
     hopeless = predict_plans(trace, budget_bytes=MIB)
     assert not hopeless.available and hopeless.message.startswith("the simulator gave no plans")
+
+
+@real_simulator
+def test_a_plan_apply_cannot_realise_is_marked_and_never_recommended(tmp_path, monkeypatch):
+    trace = read_trace(make_trace(tmp_path / "t.trace", 4_000))
+    peak = summarize(trace)["peak_bytes"]
+    from memadvisor.simulate.hardware import cublas_workspace_bytes, hardware
+    budget = int(peak * 0.8) + 2 * cublas_workspace_bytes(hardware(None, trace.meta.device))
+    plain = predict_plans(trace, budget_bytes=budget)
+    first = plain.recommended.plan
+    seen = []
+
+    def refuse_the_first(_trace, plan_list):
+        seen.extend(p.to_compact() for p in plan_list)
+        return {first: "step: no `optimizer.step()` call found for the optimizer"}
+
+    monkeypatch.setattr(plans, "_apply_refusals", refuse_the_first)
+    section = predict_plans(trace, budget_bytes=budget)
+    assert first in seen  # every ranked plan was checked against the script
+    marked = [p for p in section.predictions if p.apply_refused]
+    assert [p.plan for p in marked] == [first]
+    assert section.recommended is not None and section.recommended.plan != first
+    assert section.recommended.fits and section.recommended.timeline
+
+
+def test_without_the_script_no_plan_is_marked(tmp_path):
+    trace = read_trace(make_trace(tmp_path / "t.trace", 1_000))
+    assert plans._apply_refusals(trace, []) == {}  # a synthetic trace names no script
