@@ -82,8 +82,9 @@ def applied_copy(script: RecordedScript, code: str):
         fd, name = tempfile.mkstemp(prefix=prefix, suffix=".py")
     path = Path(name)
     try:
+        from ..apply.files import signed
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(code)
+            f.write(signed(code))  # apply's own, so `apply -o` may write it again
         yield path
     finally:
         with contextlib.suppress(OSError):

@@ -214,3 +214,32 @@ def test_torchrun_command_line(tmp_path):
     parsed = parse_torchrun_args(multi)
     assert (parsed.nnodes, parsed.node_rank, parsed.rdzv_endpoint) == ("2", 1, "host:29500")
     assert nodes_of(flags) == 2 and nodes_of(["--nnodes", "1:4"]) is None
+
+
+def test_an_output_edited_by_hand_is_never_overwritten(mlp, capsys):
+    written = mlp.parent / "train_memadvisor.py"
+    assert cli("apply", mlp, "--plan", "accum=2", "--no-run", "-q") == 0
+    # apply's own file, unedited: applying another plan rewrites it
+    assert cli("apply", mlp, "--plan", "accum=4", "--no-run", "-q") == 0
+    edited = written.read_text().replace("mem.step(", "mem.step(  # mine\n    ", 1)
+    written.write_text(edited)
+    capsys.readouterr()
+    assert cli("apply", mlp, "--plan", "checkpoint=auto", "--no-run", "-q") == 2
+    err = capsys.readouterr().err
+    assert "was written by memadvisor apply and edited since" in err
+    assert written.read_text() == edited
+    # a hand-written file calling the runtime is not apply's either
+    handmade = mlp.parent / "mine.py"
+    handmade.write_text("import memadvisor.apply as mem\n")
+    assert cli("apply", mlp, "--plan", "accum=2", "-o", handmade, "--no-run", "-q") == 2
+    assert handmade.read_text() == "import memadvisor.apply as mem\n"
+
+
+def test_in_place_refuses_a_backup_name_it_did_not_make(mlp, capsys):
+    backup = mlp.parent / "train.py.orig"
+    backup.write_text("my notes\n")
+    original = mlp.read_text()
+    assert cli("apply", mlp, "--plan", "accum=2", "--in-place", "--no-run", "-q") == 2
+    err = capsys.readouterr().err
+    assert "train.py.orig, which exists and is not a copy apply made" in err
+    assert mlp.read_text() == original and backup.read_text() == "my notes\n"
