@@ -47,7 +47,7 @@ class Mixer(nn.Module):
 
 
 def training_function(args):
-    accelerator = Accelerator(cpu=True, mixed_precision=args.mixed_precision,
+    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.gradient_accumulation_steps)
     set_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
@@ -85,6 +85,7 @@ def main():
     parser = argparse.ArgumentParser(description="Simple example of a training script.")
     parser.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"])
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    parser.add_argument("--cpu", action="store_true", help="If passed, will train on the CPU.")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--num_epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)

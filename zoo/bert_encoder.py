@@ -129,8 +129,9 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = BertConfig()
-    model = BertForMaskedLM(config)
+    model = BertForMaskedLM(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed)
 
@@ -138,6 +139,8 @@ def main():
     for step in range(args.steps):
         input_ids, attention_mask, token_type_ids, labels = make_batch(
             args.batch_size, args.max_len, config.vocab_size, generator)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        token_type_ids, labels = token_type_ids.to(device), labels.to(device)
         logits = model(input_ids, attention_mask, token_type_ids)
         loss = F.cross_entropy(logits.view(-1, config.vocab_size), labels.view(-1),
                                ignore_index=-100)

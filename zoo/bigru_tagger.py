@@ -69,15 +69,18 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loader = DataLoader(make_sentences(3 * args.batch_size, args.seed), batch_size=args.batch_size,
                         shuffle=True, collate_fn=collate, generator=torch.Generator().manual_seed(args.seed))
-    model = BiGRUTagger(NUM_WORDS, NUM_TAGS)
+    model = BiGRUTagger(NUM_WORDS, NUM_TAGS).to(device)
     loss_function = nn.CrossEntropyLoss(ignore_index=PAD_TAG)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     iteration = 0
     for epoch in range(args.epochs):
         for sentences, tags, lengths in loader:
+            # lengths stay on the CPU: pack_padded_sequence wants them there
+            sentences, tags = sentences.to(device), tags.to(device)
             model.zero_grad()
             tag_scores = model(sentences, lengths)
             loss = loss_function(tag_scores.view(-1, NUM_TAGS), tags.view(-1))

@@ -32,7 +32,7 @@ parser.add_argument('--manualSeed', type=int, default=999, help='manual seed')
 opt = parser.parse_args()
 
 torch.manual_seed(opt.manualSeed)
-device = torch.device("cpu")
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 nz, ngf, ndf, nc = opt.nz, opt.ngf, opt.ndf, 3
 
 

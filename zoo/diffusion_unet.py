@@ -92,12 +92,12 @@ class DiffusionUNet(nn.Module):
 
 
 class GaussianDiffusion:
-    def __init__(self, timesteps=100, beta_start=1e-4, beta_end=0.02):
+    def __init__(self, timesteps=100, beta_start=1e-4, beta_end=0.02, device="cpu"):
         self.timesteps = timesteps
         betas = torch.linspace(beta_start, beta_end, timesteps)
         alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
-        self.sqrt_alphas_cumprod = alphas_cumprod.sqrt()
-        self.sqrt_one_minus_alphas_cumprod = (1.0 - alphas_cumprod).sqrt()
+        self.sqrt_alphas_cumprod = alphas_cumprod.sqrt().to(device)
+        self.sqrt_one_minus_alphas_cumprod = (1.0 - alphas_cumprod).sqrt().to(device)
 
     def q_sample(self, x_start, t, noise):
         return (self.sqrt_alphas_cumprod[t][:, None, None, None] * x_start
@@ -120,18 +120,19 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model = DiffusionUNet()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = DiffusionUNet().to(device)
     ema = copy.deepcopy(model).requires_grad_(False)
-    diffusion = GaussianDiffusion()
+    diffusion = GaussianDiffusion(device=device)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-4)
     generator = torch.Generator().manual_seed(args.seed)
     dataset = torch.rand(4 * args.batch_size, 3, args.image_size, args.image_size, generator=generator) * 2 - 1
 
     for step in range(args.train_steps):
         idx = torch.randint(0, len(dataset), (args.batch_size,), generator=generator)
-        x_start = dataset[idx]
-        t = torch.randint(0, diffusion.timesteps, (args.batch_size,), generator=generator)
-        noise = torch.randn(x_start.shape, generator=generator)
+        x_start = dataset[idx].to(device)
+        t = torch.randint(0, diffusion.timesteps, (args.batch_size,), generator=generator).to(device)
+        noise = torch.randn(x_start.shape, generator=generator).to(device)
         x_noisy = diffusion.q_sample(x_start, t, noise)
         predicted_noise = model(x_noisy, t)
         loss = F.mse_loss(predicted_noise, noise)

@@ -67,7 +67,6 @@ def main():
             logging_steps=1,
             save_strategy="no",
             report_to=[],
-            use_cpu=True,
             seed=args.seed,
             disable_tqdm=True,
             dataloader_num_workers=0,

@@ -104,7 +104,7 @@ def main():
                                   batch_size=args.per_device_train_batch_size,
                                   generator=torch.Generator().manual_seed(args.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    device = torch.device("cpu")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model.to(device)
 
     completed_steps = 0

@@ -29,10 +29,10 @@ class Sequence(nn.Module):
 
     def forward(self, input, future=0):
         outputs = []
-        h_t = torch.zeros(input.size(0), self.hidden, dtype=torch.double)
-        c_t = torch.zeros(input.size(0), self.hidden, dtype=torch.double)
-        h_t2 = torch.zeros(input.size(0), self.hidden, dtype=torch.double)
-        c_t2 = torch.zeros(input.size(0), self.hidden, dtype=torch.double)
+        h_t = torch.zeros(input.size(0), self.hidden, dtype=torch.double, device=input.device)
+        c_t = torch.zeros(input.size(0), self.hidden, dtype=torch.double, device=input.device)
+        h_t2 = torch.zeros(input.size(0), self.hidden, dtype=torch.double, device=input.device)
+        c_t2 = torch.zeros(input.size(0), self.hidden, dtype=torch.double, device=input.device)
 
         for input_t in input.split(1, dim=1):
             h_t, c_t = self.lstm1(input_t, (h_t, c_t))
@@ -64,13 +64,14 @@ if __name__ == '__main__':
     # set random seed to 0
     np.random.seed(0)
     torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = make_sines(opt.batch + 3, opt.length)
-    input = torch.from_numpy(data[3:, :-1])
-    target = torch.from_numpy(data[3:, 1:])
-    test_input = torch.from_numpy(data[:3, :-1])
-    test_target = torch.from_numpy(data[:3, 1:])
+    input = torch.from_numpy(data[3:, :-1]).to(device)
+    target = torch.from_numpy(data[3:, 1:]).to(device)
+    test_input = torch.from_numpy(data[:3, :-1]).to(device)
+    test_target = torch.from_numpy(data[:3, 1:]).to(device)
     # build the model
-    seq = Sequence()
+    seq = Sequence().to(device)
     seq.double()
     criterion = nn.MSELoss()
     # use LBFGS as optimizer since we can load the whole data to train

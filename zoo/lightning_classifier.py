@@ -1,8 +1,8 @@
 """A ``LightningModule`` text classifier trained by ``lightning.Trainer``: the model's
 layers live on the module itself, ``training_step`` computes and logs the loss,
 ``configure_optimizers`` returns AdamW with a step-wise cosine schedule, data comes from a
-``LightningDataModule``, and the Trainer runs a fixed ``max_steps`` on the CPU without
-checkpointing, logging or progress bars.
+``LightningDataModule``, and the Trainer runs a fixed ``max_steps`` with ``accelerator="auto"``
+(the GPU when there is one) without checkpointing, logging or progress bars.
 
 Imitates the style of the Lightning documentation's "LightningModule" and "DataModule"
 examples (written here from scratch; random token sequences labelled by their mean token).
@@ -91,7 +91,7 @@ def main():
     L.seed_everything(args.seed, verbose=False)
     model = LitClassifier(max_steps=args.max_steps)
     data = TokenDataModule(batch_size=args.batch_size, n=args.batch_size * args.max_steps, seed=args.seed)
-    trainer = L.Trainer(max_steps=args.max_steps, accelerator="cpu", devices=1, logger=False,
+    trainer = L.Trainer(max_steps=args.max_steps, accelerator="auto", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(model, datamodule=data)

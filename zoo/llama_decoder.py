@@ -176,7 +176,8 @@ def main():
 
     torch.manual_seed(args.seed)
     model_args = ModelArgs(max_seq_len=args.seq_len)
-    model = Transformer(model_args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = Transformer(model_args).to(device)
     optimizer = torch.optim.AdamW(build_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(1, args.steps))
@@ -186,6 +187,7 @@ def main():
     for step in range(args.steps):
         tokens = torch.randint(0, model_args.vocab_size, (args.batch_size, args.seq_len + 1),
                                generator=data_gen)
+        tokens = tokens.to(device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))

@@ -83,7 +83,7 @@ if __name__ == '__main__':
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    device = torch.device("cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train_loader = DataLoader(quadrant_digits(3 * args.batch_size, args.seed), batch_size=args.batch_size,
                               shuffle=True)
     test_loader = DataLoader(quadrant_digits(16, args.seed + 1), batch_size=16)

@@ -104,12 +104,13 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model = MoeLM(max_len=args.seq_len)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = MoeLM(max_len=args.seq_len).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(args.seed)
     for step in range(args.steps):
         batch = torch.randint(0, 128, (args.batch_size, args.seq_len + 1), generator=generator)
-        x, y = batch[:, :-1], batch[:, 1:]
+        x, y = batch[:, :-1].to(device), batch[:, 1:].to(device)
         logits, aux_loss = model(x)
         lm_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss = lm_loss + args.aux_loss_coef * aux_loss

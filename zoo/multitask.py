@@ -62,13 +62,15 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model = MultiTaskNet()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = MultiTaskNet().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     generator = torch.Generator().manual_seed(args.seed)
 
     for it in range(args.iterations):
         signals, labels, amplitude = make_batch(args.batch_size, args.length, 4, generator)
+        signals, labels, amplitude = signals.to(device), labels.to(device), amplitude.to(device)
         class_logits, amplitude_pred = model(signals)
         cls_loss = F.cross_entropy(class_logits, labels)
         reg_loss = F.mse_loss(amplitude_pred, amplitude)

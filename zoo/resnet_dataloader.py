@@ -147,6 +147,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
     torch.manual_seed(args.seed)
     transform_train = Compose([
         RandomCrop(args.image_size, padding=2),
@@ -160,6 +161,7 @@ def main():
                              num_workers=args.workers, worker_init_fn=seed_worker, generator=g)
 
     net = ResNet(BasicBlock, [1, 1, 1])
+    net = net.to(device)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4,
                                 nesterov=True)
@@ -171,6 +173,7 @@ def main():
         net.train()
         train_loss, correct, total = 0.0, 0, 0
         for batch_idx, (inputs, targets) in enumerate(trainloader):
+            inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad()
             outputs = net(inputs)
             loss = criterion(outputs, targets)

@@ -22,6 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 PAD_IDX, BOS_IDX, EOS_IDX = 0, 1, 2
 VOCAB = 16
+DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
 
 class PositionalEncoding(nn.Module):
@@ -72,14 +73,14 @@ class Seq2SeqTransformer(nn.Module):
 
 
 def generate_square_subsequent_mask(sz):
-    mask = (torch.triu(torch.ones((sz, sz))) == 1).transpose(0, 1)
+    mask = (torch.triu(torch.ones((sz, sz), device=DEVICE)) == 1).transpose(0, 1)
     return mask.float().masked_fill(mask == 0, float('-inf')).masked_fill(mask == 1, float(0.0))
 
 
 def create_mask(src, tgt):
     src_seq_len, tgt_seq_len = src.shape[0], tgt.shape[0]
     tgt_mask = generate_square_subsequent_mask(tgt_seq_len)
-    src_mask = torch.zeros((src_seq_len, src_seq_len)).type(torch.bool)
+    src_mask = torch.zeros((src_seq_len, src_seq_len), device=DEVICE).type(torch.bool)
     src_padding_mask = (src == PAD_IDX).transpose(0, 1)
     tgt_padding_mask = (tgt == PAD_IDX).transpose(0, 1)
     return src_mask, tgt_mask, src_padding_mask, tgt_padding_mask
@@ -115,6 +116,7 @@ def main():
     for p in transformer.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
+    transformer = transformer.to(DEVICE)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=PAD_IDX)
     optimizer = torch.optim.Adam(transformer.parameters(), lr=0.0001, betas=(0.9, 0.98), eps=1e-9)
     generator = torch.Generator().manual_seed(args.seed)
@@ -122,6 +124,8 @@ def main():
     transformer.train()
     for it in range(args.num_batches):
         src, tgt = collate_fn(reverse_pairs(args.batch_size, generator))
+        src = src.to(DEVICE)
+        tgt = tgt.to(DEVICE)
         tgt_input = tgt[:-1, :]
         src_mask, tgt_mask, src_padding_mask, tgt_padding_mask = create_mask(src, tgt_input)
         logits = transformer(src, tgt_input, src_mask, tgt_mask, src_padding_mask,

@@ -103,7 +103,8 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model = UNet()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = UNet().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
     criterion = nn.BCEWithLogitsLoss()
     generator = torch.Generator().manual_seed(args.seed)
@@ -111,6 +112,7 @@ def main():
     model.train()
     for global_step in range(args.iterations):
         images, true_masks = disc_batch(args.batch_size, args.size, generator)
+        images, true_masks = images.to(device), true_masks.to(device)
         masks_pred = model(images)
         loss = criterion(masks_pred, true_masks) + dice_loss(masks_pred, true_masks)
         optimizer.zero_grad(set_to_none=True)

@@ -32,7 +32,7 @@ parser.add_argument('--log-interval', type=int, default=1, metavar='N',
 args = parser.parse_args()
 
 torch.manual_seed(args.seed)
-device = torch.device("cpu")
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class Strokes(torch.utils.data.Dataset):

@@ -110,7 +110,8 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model = VisionTransformer(img_size=args.img_size)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = VisionTransformer(img_size=args.img_size).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     total = args.epochs * args.steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
@@ -122,6 +123,7 @@ def main():
         model.train()
         for batch_idx in range(args.steps_per_epoch):
             input, target = synthetic_batch(args.batch_size, args.img_size, 10, generator)
+            input, target = input.to(device), target.to(device)
             output = model(input)
             loss = criterion(output, target)
             optimizer.zero_grad()

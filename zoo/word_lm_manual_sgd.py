@@ -34,7 +34,7 @@ parser.add_argument('--use-optimizer', action='store_true', help='use torch.opti
 args = parser.parse_args()
 
 torch.manual_seed(args.seed)
-device = torch.device("cpu")
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ntokens = 200
 
 
