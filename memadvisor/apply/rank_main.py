@@ -31,8 +31,27 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
+def die_with_parent() -> None:
+    """End this rank when the process that launched it dies, however it dies (a ``kill
+    -9`` of ``memadvisor apply`` leaves no one to stop the ranks, which run in their own
+    sessions): Linux's parent-death signal.  Elsewhere nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before the signal was armed
+        os._exit(143)
+
+
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    die_with_parent()
 
     from ..errors import UserError
     from . import launch

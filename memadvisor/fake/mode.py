@@ -51,6 +51,12 @@ class SimulatedGpuMode(FakeTensorMode):
         self.live_bytes = live_bytes if live_bytes is not None else LiveFakeBytes()
         self.placeholder_log = placeholder_log or placeholders.PlaceholderLog()
 
+    def __deepcopy__(self, memo):
+        # a fake tensor keeps its mode in its __dict__, which Tensor.__deepcopy__ copies:
+        # a deep copy (an EMA model, nn.Transformer's cloned layers, torchmetrics' states)
+        # must share the one mode, not clone it (its locks cannot be copied anyway)
+        return self
+
     @property
     def avoid_device_init(self) -> bool:
         # FakeTensorMode constant-folds ops on real inputs by running them for real unless

@@ -161,3 +161,14 @@ def test_fake_cpu_run_of_gpt_lm_has_the_real_runs_tensor_peak(tmp_path):
     assert set(fake_events.device) == {"cpu"}
     fake_peak = int(analysis.live_bytes(fake_events[["action", "size_bytes"]]).max())
     assert fake_peak == real_peak
+
+
+def test_deep_copies_of_fake_modules_share_the_mode(tmp_path):
+    proc, trace_path = _profile(tmp_path, SCRIPTS / "deepcopy_train.py", "--gpu", "a100-40gb")
+    assert proc.returncode == 0, proc.stderr
+    assert "ok cuda:0 True" in proc.stdout
+    trace = read_trace(trace_path)
+    assert trace.meta.steps_completed == 2
+    # the EMA copy's weight and bias are storages of their own on the GPU
+    rows = trace.events[(trace.events.device == "cuda:0") & (trace.events.action == "alloc")]
+    assert (rows.size_bytes == 2 * 2 * 4).sum() >= 2
