@@ -130,6 +130,27 @@ def _real_data_workers():
     return patches
 
 
+def _real_tensors_copy_as_real():
+    """``copy.deepcopy`` of a real tensor (a CPU buffer a library keeps, torchmetrics'
+    states) makes a real tensor, as outside fake execution: Tensor.__deepcopy__ builds the
+    copy with ``new_empty``, which the fake mode would answer with a fake tensor that a
+    real storage cannot be set into."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+    from .patching import Patches
+    patches = Patches()
+    original = torch.Tensor.__deepcopy__
+
+    def __deepcopy__(self, memo):
+        if is_fake(self):
+            return original(self, memo)
+        with unset_fake_temporarily():
+            return original(self, memo)
+
+    patches.set(torch.Tensor, "__deepcopy__", __deepcopy__)
+    return patches
+
+
 @contextlib.contextmanager
 def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0, *,
                    memory_stats=None) -> Iterator[FakeRun]:
@@ -173,6 +194,7 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
         undo.append(initializers.install())
         undo.append(_track_storage_resizes(run.live_bytes))
         undo.append(_real_data_workers())
+        undo.append(_real_tensors_copy_as_real())
         undo.append(distributed.EnvironmentPatch(
             distributed.torchrun_environment(rank, nproc)))
         undo.append(distributed.install(rank, nproc))

@@ -37,6 +37,7 @@ def case_train() -> dict:
     out.update(_probe_refusal())
     out.update(_probe_data_loading())
     out.update(_probe_attention())
+    out.update(_probe_deepcopy())
     out["cuda_available_after"] = torch.cuda.is_available()
     return out
 
@@ -111,6 +112,24 @@ def _probe_real_module() -> dict:
         grad_device = str(model[0].weight.grad.device)
     return {"real_module": {"devices": devices, "tied": tied, "grad_device": grad_device,
                             "weight_device_after": str(model[0].weight.device)}}
+
+
+def _probe_deepcopy() -> dict:
+    """A real tensor (made before fake execution, as a library's module-level buffer is)
+    deep-copied under it stays real with its values; a fake one stays fake."""
+    import copy
+
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+    real = torch.arange(3.0)
+    from memadvisor.fake.runtime import fake_execution
+    with fake_execution():
+        copied = copy.deepcopy({"state": real})["state"]
+        fake = torch.ones(2, device="cuda")
+        fake_copy = copy.deepcopy(fake)
+        return {"deepcopy": {"real_stays_real": not is_fake(copied),
+                             "values": copied.tolist(), "fake_stays_fake": is_fake(fake_copy),
+                             "fake_device": str(fake_copy.device)}}
 
 
 def _probe_attention() -> dict:

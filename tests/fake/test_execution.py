@@ -137,3 +137,8 @@ def test_attention_runs_the_kernel_the_target_would(train):
     assert 0 <= kept["h100-80gb/bf16_mask"] - output_bf16 - logsumexp - bias < rng_state
     # V100 in bf16: math path; it keeps at least the bf16 attention probabilities
     assert kept["v100-32gb/bf16"] >= heads * length * length * 2
+
+
+def test_deep_copies_keep_real_tensors_real_and_fake_ones_fake(train):
+    assert train["deepcopy"] == {"real_stays_real": True, "values": [0.0, 1.0, 2.0],
+                                 "fake_stays_fake": True, "fake_device": "cuda:0"}
