@@ -81,6 +81,19 @@ def install(rank: int, num_ranks: int) -> Patches:
     for module in list(sys.modules.values()):
         if getattr(module, "init_device_mesh", None) is original_mesh:
             patches.set(module, "init_device_mesh", init_device_mesh)
+    # DDP's constructor compares parameter shapes across ranks in C++, reading the
+    # parameters' data (fake: none); a fake job's ranks are the same script, so there is
+    # nothing to compare
+    from torch.distributed import utils as dist_utils
+    original_verify = dist_utils._verify_param_shape_across_processes
+
+    def verify_param_shapes(process_group, tensors, logger=None):
+        return None
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "_verify_param_shape_across_processes", None) is original_verify:
+            patches.set(module, "_verify_param_shape_across_processes", verify_param_shapes)
+    _complete_ddp_allreduce(patches)
     # the class's own constructor reads its rank map back too
     original_mesh_init = device_mesh.DeviceMesh.__init__
 
@@ -90,6 +103,61 @@ def install(rank: int, num_ranks: int) -> Patches:
 
     patches.set(device_mesh.DeviceMesh, "__init__", mesh_init)
     return patches
+
+
+def _fake_allreduce(_state, bucket):
+    """DDP's gradient all-reduce on the fake group: done, in place, at once.  (The fake
+    group's own future carries no tensors, which DDP's built-in hook asserts on; NCCL's
+    all-reduce writes into the bucket and allocates nothing, like this.)"""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class _Forwarding:
+    """A stand-in for one of DDP's C++ helpers: every attribute but those overridden is
+    the helper's own (C++ keeps its reference to the real one)."""
+
+    def __init__(self, wrapped):
+        self._wrapped = wrapped
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+
+class _UntimedLogger(_Forwarding):
+    """DDP's logger without its runtime statistics: they time the step with the device's
+    timer, which a CPU-only build has none of for 'cuda' (c10d asserts ``timer_``)."""
+
+    def set_runtime_stats_and_log(self):
+        return None
+
+
+class _FixedBuckets(_Forwarding):
+    """DDP's reducer keeping its first buckets: rebuilding them in gradient-ready order
+    agrees on the order across ranks by reading index tensors' values (fake: none).  The
+    rebuilt buckets hold the same gradients, so the bytes are the same."""
+
+    def _rebuild_buckets(self):
+        return False
+
+
+def _complete_ddp_allreduce(patches: Patches) -> None:
+    """Give every DDP module without a communication hook of its own ``_fake_allreduce``,
+    at its first forward (a hook the script registers after construction stays its own)."""
+    from torch.nn.parallel import DistributedDataParallel
+    original_forward = DistributedDataParallel.forward
+
+    def forward(self, *args, **kwargs):
+        if not self._comm_hooks:
+            self.register_comm_hook(None, _fake_allreduce)
+        if self.logger is not None and not isinstance(self.logger, _UntimedLogger):
+            self.logger = _UntimedLogger(self.logger)
+        if not isinstance(self.reducer, _FixedBuckets):  # after the hook: pybind needs the real one
+            self.reducer = _FixedBuckets(self.reducer)
+        return original_forward(self, *args, **kwargs)
+
+    patches.set(DistributedDataParallel, "forward", forward)
 
 
 def shutdown() -> None:

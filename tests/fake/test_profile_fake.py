@@ -172,3 +172,15 @@ def test_deep_copies_of_fake_modules_share_the_mode(tmp_path):
     # the EMA copy's weight and bias are storages of their own on the GPU
     rows = trace.events[(trace.events.device == "cuda:0") & (trace.events.action == "alloc")]
     assert (rows.size_bytes == 2 * 2 * 4).sum() >= 2
+
+
+def test_a_script_with_its_own_ddp_runs_on_fake_ranks(tmp_path):
+    proc, trace_path = _profile(tmp_path, SCRIPTS / "ddp_train.py", "--gpu", "a100-40gb",
+                                "--nproc", "2", "--rank", "1")
+    assert proc.returncode == 0, proc.stderr
+    trace = read_trace(trace_path)
+    assert trace.meta.steps_completed == 2 and "ok" in proc.stdout
+    rows = trace.events[(trace.events.device == "cuda:1") & (trace.events.action == "alloc")]
+    weight_bytes = 1024 * 1024 * 4
+    # the weight, its gradient and DDP's gradient bucket: one block each of the weight's size
+    assert (rows.size_bytes == weight_bytes).sum() >= 3
