@@ -35,6 +35,7 @@ class LaunchRequest:
     profile: Path | None = None  #: rank 0's trace; rank R writes <stem>.rankR<suffix>
     profile_steps: int = 3
     save_parameters: Path | None = None  #: full parameters after the run (rank 0 writes)
+    steps: int | None = None  #: stop after this many optimizer steps (None: the script's end)
 
     @property
     def in_process(self) -> bool:
@@ -47,21 +48,24 @@ def run(request: LaunchRequest) -> int:
     refuse_before_launch(request.script)  # a framework script's plan this machine cannot run
     if request.in_process:
         return run_in_process(request.script, request.args, request.profile,
-                              request.profile_steps, request.save_parameters)
+                              request.profile_steps, request.save_parameters, request.steps)
     return run_torchrun(request)
 
 
 # --- one process ----------------------------------------------------------------------------
 def run_in_process(script: Path, args: list[str], profile: Path | None = None,
-                   profile_steps: int = 3, save_parameters: Path | None = None) -> int:
+                   profile_steps: int = 3, save_parameters: Path | None = None,
+                   steps: int | None = None) -> int:
     from . import runtime
     from .frameworks import probe as frameworks
+    from .steps import stop_after
     completed = False
     try:
         if profile is not None:
-            _profile(script, args, profile, profile_steps)
+            _profile(script, args, profile, steps or profile_steps)
         else:
-            run_script(script, args)
+            with stop_after(steps):
+                run_script(script, args)
         completed = True
     finally:
         runtime.finish(save_parameters=str(save_parameters) if save_parameters and completed
@@ -136,6 +140,8 @@ def torchrun_argv(request: LaunchRequest) -> list[str]:
         argv += ["--profile", str(request.profile), "--profile-steps", str(request.profile_steps)]
     if request.save_parameters is not None:
         argv += ["--save-parameters", str(request.save_parameters)]
+    if request.steps:
+        argv += ["--steps", str(request.steps)]
     return argv + ["--", str(request.script), *request.args]
 
 

@@ -42,6 +42,9 @@ class _SplitAtDoubleDash(click.Command):
               help="Profile the run: rank 0 writes OUT, rank R writes OUT's stem + .rankR.")
 @click.option("--profile-steps", type=int, default=3, show_default=True,
               help="Steps to profile with --profile.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Stop after this many optimizer steps (each optimizer's; with --profile "
+                   "also the steps profiled) [default: the script's own end].")
 @click.option("--save-parameters", type=click.Path(path_type=Path), metavar="FILE",
               help="After the run, save the full parameters (torch.save) to compare runs.")
 @click.option("-q", "--quiet", is_flag=True, help="Do not print the diff.")
@@ -49,7 +52,7 @@ class _SplitAtDoubleDash(click.Command):
                 metavar="[TORCHRUN OPTIONS]... [-- SCRIPT ARGS...]")
 @click.pass_context
 def command(ctx, script, plan_text, output, in_place, dry_run, no_run, nproc, profile_path,
-            profile_steps, save_parameters, quiet, launcher_args):
+            profile_steps, steps, save_parameters, quiet, launcher_args):
     """Rewrite SCRIPT to use PLAN (a diff is printed), write it beside SCRIPT, and run it:
     in this process, or with torchrun on --nproc processes.  Arguments after -- go to the
     script; other unknown options before -- go to torchrun."""
@@ -83,7 +86,7 @@ def command(ctx, script, plan_text, output, in_place, dry_run, no_run, nproc, pr
     return launch.run(launch.LaunchRequest(
         script=destination.path, args=ctx.meta.get("script_args", []), nproc=nproc,
         launcher_args=launcher_args, profile=profile_path, profile_steps=profile_steps,
-        save_parameters=save_parameters))
+        save_parameters=save_parameters, steps=steps))
 
 
 def _read_script(script: Path) -> str:
