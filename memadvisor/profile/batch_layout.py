@@ -5,8 +5,9 @@ Shared by ``profile`` (which records the answer in ``meta.batch``) and ``apply``
 import: shapes are tuples of ints.
 
 The batch size is the size that the most input tensors share (sequence-first source and
-target tensors have different lengths but one batch; a square ``[T, T]`` mask has no batch
-dimension at all).  Evidence that overrides the count:
+target tensors have different lengths but one batch); a square ``[T, T]`` mask relates
+positions, not samples, and does not vote (it has no batch dimension unless its size is
+the batch's).  Evidence that overrides the count:
 
 * ``layout_sizes``: batch sizes that modules which know their layout reported (an
   ``nn.LSTM``/``nn.MultiheadAttention``/``nn.Transformer`` with its ``batch_first``, an
@@ -52,8 +53,11 @@ def infer_layout(shapes: Sequence[Shape], *, layout_sizes: Iterable[int] = (),
     ``preferred_dims``: dims decided before for inputs of these shapes' ranks (apply keeps
     the first decision for later batches where ``[T, B]`` has ``T == B``)."""
     shapes = [tuple(int(d) for d in s) for s in shapes]
+    # a square tensor ([T, T]: an attention mask, a distance matrix) relates positions to
+    # positions, not samples: it votes only when nothing else does
+    voters = [s for s in shapes if not _square(s)] or shapes
     counts: dict[int, int] = {}
-    for shape in shapes:
+    for shape in voters:
         for size in set(shape):
             counts[size] = counts.get(size, 0) + 1
     if not counts:
@@ -74,19 +78,23 @@ def infer_layout(shapes: Sequence[Shape], *, layout_sizes: Iterable[int] = (),
         if len(preferred) == 1 and preferred <= candidates:
             candidates = preferred
             evidence = evidence or "the dimensions used for the first batch"
-    best = max(counts[s] for s in candidates)
-    top = sorted(s for s in candidates if counts[s] == best)
+    best = max(counts.get(s, 0) for s in candidates)
+    top = sorted(s for s in candidates if counts.get(s, 0) == best)
     if len(top) > 1 and 1 in top:
         top.remove(1)  # a size-1 dimension (unsqueezed, one channel) before a real batch of 1
     size = top[0]
     rivals = tuple(top[1:])
     if not evidence:
-        evidence = f"the size {size} shared by {best} of {len(shapes)} inputs"
+        evidence = f"the size {size} shared by {best} of {len(voters)} inputs"
     dims = _dims_of(shapes, size, preferred_dims)
     if any(dim == "ambiguous" for dim in dims):
         rivals = rivals or (size,)
         dims = tuple(None if d == "ambiguous" else d for d in dims)
     return BatchLayout(size, dims, evidence, rivals)
+
+
+def _square(shape: tuple[int, ...]) -> bool:
+    return len(shape) >= 2 and len(set(shape)) == 1
 
 
 def _dims_of(shapes: list[tuple[int, ...]], size: int,
@@ -121,14 +129,3 @@ def layout_batch_size(kind: str, batch_first: bool, shape: Shape) -> int | None:
     if kind == "cell" and len(shape) == 2:
         return int(shape[0])
     return None
-
-
-def flattened_multiples(shape: Shape, dim: int) -> list[int]:
-    """Sizes a tensor's batch becomes when its leading dimensions are flattened with it:
-    ``(T, B)`` gives ``T*B``; ``(B, T)`` gives ``B`` and ``B*T``."""
-    out, product = [], 1
-    for index, size in enumerate(shape):
-        product *= int(size)
-        if index >= dim:
-            out.append(product)
-    return out

@@ -8,9 +8,10 @@ dimension is
 * ``B`` times the product of the dimensions before and after it in a batch tensor,
   flattened from the front (a (B, T) token batch makes (B*T, C) activations, a
   sequence-first (T, B) one makes (T*B, C)), or
-* its leading dimensions are those before the batch dimension of a batch tensor
-  (``meta.batch['batch_dims']``) and the next one is ``B``: the (T, B, C) activations of
-  a sequence-first batch (T, B), the (layers, B, H) states of an RNN fed (layers, B, H), or
+* it holds the dimensions before the batch dimension of a batch tensor
+  (``meta.batch['batch_dims']``) followed by ``B``: the (T, B, C) activations of a
+  sequence-first batch (T, B), attention's stacked (3, T, B, C) projections, the
+  (layers, B, H) states of an RNN fed (layers, B, H), or
 * another multiple of ``B`` (B*heads, ...) in a tensor of two or more dimensions *and*
   the shape is not a parameter's shape
   (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay);
@@ -72,12 +73,13 @@ def batch_prefixes(batch: dict) -> set[tuple[int, ...]]:
 
 
 def _after_prefix(shapes: np.ndarray, prefixes: set[tuple[int, ...]], size: int) -> np.ndarray:
-    """Shapes (strings) that start with a prefix followed by the batch size: (T, B, ...)."""
+    """Shapes (strings) holding a prefix followed by the batch size: (T, B, ...), or
+    (3, T, B, C) where attention stacks its projections in front."""
     out = np.zeros(len(shapes), bool)
     for index, text in enumerate(shapes):
         dims = tuple(int(d) for d in text.split(",")) if text else ()
-        out[index] = any(len(dims) > len(p) and dims[:len(p)] == p and dims[len(p)] == size
-                         for p in prefixes)
+        out[index] = any(dims[start:start + len(p)] == p and dims[start + len(p)] == size
+                         for p in prefixes for start in range(len(dims) - len(p)))
     return out
 
 
