@@ -32,6 +32,7 @@ class OptimizerCycle:
     def __init__(self):
         self._targets: set[int] | None = None  # parameter ids one step must cover
         self._stepped: list[tuple[int, set[int], int, int]] = []  # (optimizer, params, seq, ns)
+        self._expects: bool | None = None
 
     def _find_targets(self, owned: set[int]) -> set[int]:
         targets: set[int] = set()
@@ -45,6 +46,13 @@ class OptimizerCycle:
                 except (AttributeError, TypeError, KeyError):  # half-built or foreign object
                     continue
         return targets
+
+    def expects_optimizer(self, owned: set[int]) -> bool:
+        """Whether a torch.optim optimizer holds parameters of the profiled models (asked
+        once, at the first step counted by backward: that count is then provisional)."""
+        if self._expects is None:
+            self._expects = bool(self._find_targets(owned)) if owned else False
+        return self._expects
 
     def optimizer_stepped(self, optimizer, owned: set[int], seq: int,
                           time_ns: int) -> list[tuple[int, int]]:

@@ -539,7 +539,10 @@ class ProfileSession:
         self._step_cuda.append(cuda)
         if len(boundaries) == 1:
             self._snapshot_model()  # once, in case the script drops its model before exit
-        if self.on_step is not None:
+        provisional = boundaries is self._backward_boundaries and \
+            self.step_boundary == "auto" and self._optimizer_cycle.expects_optimizer(
+                set(self._param_owner) | set(self._leaves))
+        if self.on_step is not None and not provisional:  # progress counts the steps kept
             self.on_step({"steps_done": len(boundaries), "steps_requested": self.steps_requested,
                           "live_bytes": self.recorder.live_bytes,
                           "peak_bytes": self.recorder.peak_bytes})

@@ -188,3 +188,30 @@ def test_a_transform_module_is_not_the_model():
 
     _, meta = _profile(train)
     assert meta.batch["batch_size"] == 5 and meta.batch["shapes"] == [[5, 4]]
+
+
+def test_an_optimizer_that_never_steps_does_not_stall_the_steps():
+    """A frozen generator's optimizer exists but never steps: the second step of the other
+    optimizer shows the cycle, and the first step still ends at the first optimizer step."""
+    netD, netG = nn.Linear(5, 1), nn.Linear(3, 5)
+    optimizerD = torch.optim.SGD(netD.parameters(), lr=0.1, momentum=0.9)
+    unused = torch.optim.SGD(netG.parameters(), lr=0.1)  # noqa: F841 (kept alive)
+    done = []
+
+    def train():
+        for iteration in range(5):
+            netD(netG(torch.randn(4, 3)).detach()).sum().backward()
+            optimizerD.step()
+            done.append(iteration)
+
+    events, meta = _profile(train, steps=3)
+    assert meta.steps_completed == 3
+    assert done == [0, 1]  # stopped in the third iteration's optimizer step, as without it
+    assert [info["index"] for info in meta.steps] == [0, 1, 2]
+    for step in range(3):
+        phases = set(events[events["step"] == step]["phase"])
+        assert {"forward", "backward"} <= phases, (step, phases)
+    # the momentum buffers made by the first optimizer step belong to step 0: the first
+    # boundary, placed after the fact, is at that step
+    state = events[(events["category"] == "optimizer_state") & (events["action"] == "alloc")]
+    assert set(state["step"]) == {0}
