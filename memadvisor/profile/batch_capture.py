@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .batch_layout import infer_layout, layout_batch_size
+from .batch_layout import BatchLayout, infer_layout, layout_batch_size
 
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
@@ -78,6 +78,8 @@ class BatchObserver:
         self._candidate: dict | None = None  # the first training root call since a backward
         self._model: int | None = None  # id of the root module the first backward trained
         self._layout_sizes: set[int] = set()
+        self._input_ids: set[int] = set()  # the candidate's tensors, during its forward
+        self._feature_sizes: set[int] = set()  # last dims of inputs fed to a Linear as is
         self._chosen: dict | None = None  # this step's batch (first backward's)
         self._previous: dict | None = None  # an earlier step's, to see sizes that vary
         self._varying: set[int] = set()
@@ -93,6 +95,8 @@ class BatchObserver:
             return  # a transform, a loss module, a frozen network: not the model trained
         tensors = named_tensors(args, kwargs)
         if tensors:
+            self._input_ids = {id(t) for _, t in tensors}
+            self._feature_sizes = set()
             self._candidate = {"module": id(module), "names": [n for n, _ in tensors],
                                "shapes": [list(t.shape) for _, t in tensors],
                                "dtypes": [str(t.dtype).removeprefix("torch.")
@@ -105,6 +109,10 @@ class BatchObserver:
             return
         shape = getattr(args[0], "shape", None)
         if shape is None:
+            return
+        if isinstance(module, torch.nn.Linear) and id(args[0]) in self._input_ids and shape:
+            # an input fed to a Linear as it came: its last dimension is features
+            self._feature_sizes.add(int(shape[-1]))
             return
         if isinstance(module, _SEQUENCE_MODULES):
             size = layout_batch_size("sequence", bool(getattr(module, "batch_first", False)),
@@ -128,7 +136,8 @@ class BatchObserver:
     def backward_begins(self) -> None:
         if self._chosen is None and self._candidate is not None:
             self._model = self._candidate["module"]
-            self._chosen = dict(self._candidate, layout_sizes=sorted(self._layout_sizes))
+            self._chosen = dict(self._candidate, layout_sizes=sorted(self._layout_sizes),
+                                feature_sizes=sorted(self._feature_sizes))
             self._update()
         self._candidate = None
 
@@ -147,20 +156,26 @@ class BatchObserver:
                 if len(before) == len(now):
                     self._varying |= {s for pair in zip(before, now) if pair[0] != pair[1]
                                       for s in pair}
-        layout = infer_layout([tuple(s) for s in chosen["shapes"]],
-                              layout_sizes=chosen["layout_sizes"], varying_sizes=self._varying)
-        dims = list(layout.dims)
-        evidence = layout.evidence
-        size = layout.batch_size
+        shapes = [tuple(s) for s in chosen["shapes"]]
+        layout = infer_layout(shapes, layout_sizes=chosen["layout_sizes"],
+                              varying_sizes=self._varying)
+        if layout.ambiguous and chosen["feature_sizes"]:
+            # only to break a tie: a feature size may equal the batch size elsewhere
+            untied = infer_layout(shapes, layout_sizes=chosen["layout_sizes"],
+                                  varying_sizes=self._varying | set(chosen["feature_sizes"]))
+            if not untied.ambiguous:
+                layout = BatchLayout(untied.batch_size, untied.dims,
+                                     "the size left once the features a Linear reads of an "
+                                     "input are set aside")
         if layout.ambiguous:
             # nothing tells [T, B] from [B, T]: dimension 0 of the first input, as most
             # scripts are batch-first, and the meta says so
             sizes = sorted({layout.batch_size, *layout.rivals})
-            first = chosen["shapes"][0]
-            size = first[0] if first else size
-            layout = infer_layout([tuple(s) for s in chosen["shapes"]], layout_sizes=[size])
-            dims = list(layout.dims)
-            evidence = f"ambiguous between sizes {sizes}: dimension 0 of the first input taken"
-
-        self.batch = {"batch_size": size, "shapes": chosen["shapes"], "dtypes": chosen["dtypes"],
-                      "names": chosen["names"], "batch_dims": dims, "evidence": evidence}
+            first = shapes[0]
+            fallback = infer_layout(shapes, layout_sizes=[first[0]] if first else [])
+            layout = BatchLayout(fallback.batch_size, fallback.dims,
+                                 f"ambiguous between sizes {sizes}: dimension 0 of the first "
+                                 f"input taken")
+        self.batch = {"batch_size": layout.batch_size, "shapes": chosen["shapes"],
+                      "dtypes": chosen["dtypes"], "names": chosen["names"],
+                      "batch_dims": list(layout.dims), "evidence": layout.evidence}

@@ -11,7 +11,8 @@ the batch's).  Evidence that overrides the count:
 
 * ``layout_sizes``: batch sizes that modules which know their layout reported (an
   ``nn.LSTM``/``nn.MultiheadAttention``/``nn.Transformer`` with its ``batch_first``, an
-  ``nn.LSTMCell``): a size seen there is the batch, whatever the count says;
+  ``nn.LSTMCell``, a convolution, a loss module's target): a size seen there is the
+  batch, whatever the count says;
 * ``varying_sizes``: sizes that changed between two observations of the same input (a
   sequence length varies from batch to batch, the batch size does not).
 
@@ -67,7 +68,8 @@ def infer_layout(shapes: Sequence[Shape], *, layout_sizes: Iterable[int] = (),
     hinted = candidates & {int(s) for s in layout_sizes}
     if hinted:
         candidates = hinted
-        evidence = "the batch size the model's layout-aware modules (batch_first) saw"
+        evidence = ("the batch size the model's own modules read in their documented "
+                    "layout (batch_first sequence modules, convolutions, a loss's target)")
     varying = candidates - {int(s) for s in varying_sizes}
     if varying and varying != candidates:
         candidates = varying
