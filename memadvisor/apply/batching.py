@@ -5,10 +5,11 @@ trace at run time): the size the most tensors share is the batch size (a sequenc
 source ``[S, B]`` and target ``[T, B]`` share ``B``), each tensor is sliced along its own
 dimension of that size, and a tensor without one (a ``[T, T]`` attention mask shared by
 every sample, a step counter, a string) is handed to every micro-batch whole.  Where the
-shapes cannot tell (``[T, B]`` and ``[T, B]`` alone), the layout the model's own sequence
-modules declare (``batch_first``) decides, then the dimensions decided for an earlier
-batch of the same structure; otherwise the split is refused with the ``batch_dims=``
-argument that settles it, never guessed.  Tuples, lists, dicts and namedtuples are walked.
+shapes cannot tell (``[T, B]`` and ``[T, B]`` alone), the dimensions decided for an
+earlier batch of the same structure decide, then the layout the model's own sequence
+modules declare (``batch_first``), then -- where every tensor's dimension 0 is one of the
+tied sizes -- the batch-first convention of the plan's split, with a warning; otherwise
+the split is refused with the ``batch_dims=`` argument that settles it.  Tuples, lists, dicts and namedtuples are walked.
 """
 from __future__ import annotations
 
@@ -37,14 +38,18 @@ def tensors_of(value) -> list[torch.Tensor]:
 
 
 def model_layout_dim(model: torch.nn.Module | None) -> int | None:
-    """1 when the model's sequence modules all say (T, B, ...), 0 when all say batch-first,
-    None when it has none or they disagree."""
+    """1 when the model's sequence modules all say (T, B, ...), 0 when all say batch-first
+    or it has none but convolutions (batched as (B, C, ...)), None when it has neither or
+    they disagree."""
     if model is None:
         return None
-    flags = {bool(getattr(m, "batch_first", False)) for m in model.modules()
+    modules = list(model.modules())
+    flags = {bool(getattr(m, "batch_first", False)) for m in modules
              if isinstance(m, (torch.nn.RNNBase, torch.nn.MultiheadAttention,
                                torch.nn.Transformer, torch.nn.TransformerEncoderLayer,
                                torch.nn.TransformerDecoderLayer))}
+    if not flags and any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in modules):
+        return 0
     return None if len(flags) != 1 else (0 if flags.pop() else 1)
 
 
@@ -68,6 +73,8 @@ def batch_layout(values, *, model=None, batch_dims=None, decided: dict | None = 
                           for s in shapes)
         layout = infer_layout(shapes, preferred_dims=preferred)
     if layout.ambiguous:
+        layout = _batch_first_reading(shapes, layout)
+    if layout.ambiguous:
         sizes = sorted({layout.batch_size, *layout.rivals})
         raise PlanError(
             f"cannot tell which dimension of the batch handed to micro_batches is the batch: "
@@ -79,6 +86,25 @@ def batch_layout(values, *, model=None, batch_dims=None, decided: dict | None = 
     if layout.batch_size is not None:
         decided.setdefault(structure, layout.dims)
     return layout
+
+
+def _batch_first_reading(shapes, layout: BatchLayout) -> BatchLayout:
+    """A tie the model does not settle ([B, T] tokens and labels; a [B, C, H, W] image
+    batch of a model without convolutions) read the batch-first way when every tensor has
+    one of the tied sizes as its dimension 0 (the plan's documented split), with a warning
+    naming the way out; left ambiguous (refused) otherwise."""
+    tied = {layout.batch_size, *layout.rivals}
+    first = {s[0] for s in shapes if s}
+    if len(first) != 1 or not first <= tied:
+        return layout
+    read = infer_layout(shapes, preferred_dims=[0] * len(shapes))
+    if read.ambiguous:
+        return layout
+    warnings.warn(f"memadvisor: the batch's shapes {[list(s) for s in shapes]} fit more than "
+                  f"one batch dimension (sizes {sorted(tied)}); dimension 0 is taken, as in "
+                  f"a batch-first layout: if the batch is elsewhere, pass batch_dims= to "
+                  f"mem.micro_batches", stacklevel=5)  # the script's micro_batches line
+    return BatchLayout(read.batch_size, read.dims, "batch-first by convention (a tie)")
 
 
 def _example_dims(shapes) -> tuple:

@@ -78,8 +78,8 @@ class BatchObserver:
         self._candidate: dict | None = None  # the first training root call since a backward
         self._model: int | None = None  # id of the root module the first backward trained
         self._layout_sizes: set[int] = set()
-        self._input_ids: set[int] = set()  # the candidate's tensors, during its forward
-        self._feature_sizes: set[int] = set()  # last dims of inputs fed to a Linear as is
+        self._input_ids: dict[int, int] = {}  # id -> index of the candidate's tensors
+        self._feature_inputs: set[int] = set()  # indices of inputs fed to a Linear as is
         self._chosen: dict | None = None  # this step's batch (first backward's)
         self._previous: dict | None = None  # an earlier step's, to see sizes that vary
         self._varying: set[int] = set()
@@ -95,8 +95,8 @@ class BatchObserver:
             return  # a transform, a loss module, a frozen network: not the model trained
         tensors = named_tensors(args, kwargs)
         if tensors:
-            self._input_ids = {id(t) for _, t in tensors}
-            self._feature_sizes = set()
+            self._input_ids = {id(t): index for index, (_, t) in enumerate(tensors)}
+            self._feature_inputs = set()
             self._candidate = {"module": id(module), "names": [n for n, _ in tensors],
                                "shapes": [list(t.shape) for _, t in tensors],
                                "dtypes": [str(t.dtype).removeprefix("torch.")
@@ -112,7 +112,7 @@ class BatchObserver:
             return
         if isinstance(module, torch.nn.Linear) and id(args[0]) in self._input_ids and shape:
             # an input fed to a Linear as it came: its last dimension is features
-            self._feature_sizes.add(int(shape[-1]))
+            self._feature_inputs.add(self._input_ids[id(args[0])])
             return
         if isinstance(module, _SEQUENCE_MODULES):
             size = layout_batch_size("sequence", bool(getattr(module, "batch_first", False)),
@@ -137,7 +137,7 @@ class BatchObserver:
         if self._chosen is None and self._candidate is not None:
             self._model = self._candidate["module"]
             self._chosen = dict(self._candidate, layout_sizes=sorted(self._layout_sizes),
-                                feature_sizes=sorted(self._feature_sizes))
+                                feature_inputs=sorted(self._feature_inputs))
             self._update()
         self._candidate = None
 
@@ -159,10 +159,12 @@ class BatchObserver:
         shapes = [tuple(s) for s in chosen["shapes"]]
         layout = infer_layout(shapes, layout_sizes=chosen["layout_sizes"],
                               varying_sizes=self._varying)
-        if layout.ambiguous and chosen["feature_sizes"]:
-            # only to break a tie: a feature size may equal the batch size elsewhere
+        if layout.ambiguous and chosen["feature_inputs"]:
+            # to break a tie only: the batch is in a dimension before the features
+            possible = set.intersection(*(set(shapes[i][:-1]) for i in chosen["feature_inputs"]))
+            features = {size for shape in shapes for size in shape} - possible
             untied = infer_layout(shapes, layout_sizes=chosen["layout_sizes"],
-                                  varying_sizes=self._varying | set(chosen["feature_sizes"]))
+                                  varying_sizes=self._varying | features)
             if not untied.ambiguous:
                 layout = BatchLayout(untied.batch_size, untied.dims,
                                      "the size left once the features a Linear reads of an "
@@ -172,7 +174,8 @@ class BatchObserver:
             # scripts are batch-first, and the meta says so
             sizes = sorted({layout.batch_size, *layout.rivals})
             first = shapes[0]
-            fallback = infer_layout(shapes, layout_sizes=[first[0]] if first else [])
+            fallback = infer_layout(shapes, layout_sizes=[first[0]] if first else [],
+                                    preferred_dims=[0] * len(shapes))
             layout = BatchLayout(fallback.batch_size, fallback.dims,
                                  f"ambiguous between sizes {sizes}: dimension 0 of the first "
                                  f"input taken")

@@ -27,8 +27,11 @@ def test_sequence_first_tensors_are_cut_along_the_batch_and_square_masks_stay_wh
 
 def test_ambiguous_layouts_follow_the_model_or_are_refused():
     src, tgt = torch.zeros(10, 4), torch.zeros(10, 4)  # [T, B] or [B, T]?
+    with pytest.warns(UserWarning, match=r"dimension 0 is taken, as in a batch-first layout"):
+        first, _ = parts((src, tgt))
+    assert first[0].shape == (5, 4)
     with pytest.raises(PlanError, match=r"batch_dims=\(0, 0\)"):
-        parts((src, tgt))
+        parts((torch.zeros(10, 4), torch.zeros(4, 10)))  # no batch-first reading either
     seq_first = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=1,
                                num_decoder_layers=1, dim_feedforward=8)
     first, _ = parts((src, tgt), model=seq_first)
@@ -48,8 +51,9 @@ def test_a_decision_is_kept_for_a_later_batch_whose_length_equals_the_batch_size
     # [4, 4] batch, where dimension 0 would fit as well
     assert first[0].shape == (4, 2)
     ambiguous = (torch.zeros(6, 6), torch.zeros(6, 6))
-    with pytest.raises(PlanError):
-        parts(ambiguous)
+    with pytest.warns(UserWarning, match="dimension 0 is taken"):
+        first, _ = parts(ambiguous)
+    assert first[0].shape == (3, 6)
     first, _ = parts(ambiguous, decided={(2, 2): (1, 1)})
     assert first[0].shape == (6, 3)
 
