@@ -515,7 +515,10 @@ class ProfileSession:
     def _maybe_stop_backward_mode(self) -> None:
         if not self.steps_requested:
             return
-        if self.step_boundary == "backward":
+        if self.step_boundary == "backward" or not self._optimizer_cycle.expects_optimizer(
+                set(self._param_owner) | set(self._leaves)):
+            # no torch.optim optimizer holds the model's parameters: updates are manual,
+            # one backward is one step (not 11 counted as "step 11/3")
             threshold = self.steps_requested
         else:
             # no torch.optim step seen yet: maybe gradient accumulation over many

@@ -215,3 +215,40 @@ def test_an_optimizer_that_never_steps_does_not_stall_the_steps():
     # boundary, placed after the fact, is at that step
     state = events[(events["category"] == "optimizer_state") & (events["action"] == "alloc")]
     assert set(state["step"]) == {0}
+
+
+def test_a_linear_reading_the_input_breaks_a_tie_only_by_its_feature_dimension():
+    """[B, F] into a Linear: F is features, so B; [B, T, F] with F == B: the batch is still
+    before the features (dimension 0 by default), never T."""
+    def train_on(shape):
+        model = nn.Linear(shape[-1], 1)
+
+        def train():
+            for _ in range(2):
+                model(torch.randn(*shape)).sum().backward()
+        return _profile(train)[1].batch
+
+    flat = train_on((6, 4))
+    assert (flat["batch_size"], flat["batch_dims"]) == (6, [0])
+    assert "Linear" in flat["evidence"]
+    sequence = train_on((4, 5, 4))
+    assert (sequence["batch_size"], sequence["batch_dims"]) == (4, [0])
+
+
+def test_manual_updates_stop_at_the_requested_steps():
+    """No torch.optim optimizer: one backward is one step, and --steps 2 means two."""
+    model = nn.Linear(3, 1)
+    done = []
+
+    def train():
+        for iteration in range(20):
+            model(torch.randn(4, 3)).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.1)
+                    p.grad = None
+            done.append(iteration)
+
+    _, meta = _profile(train, steps=2)
+    assert meta.steps_completed == 2 and meta.step_detection == "backward"
+    assert done == [0, 1]

@@ -37,3 +37,11 @@ def test_layout_modules():
     assert layout_batch_size("sequence", True, (16, 8, 32)) == 16
     assert layout_batch_size("sequence", True, (8, 32)) is None  # unbatched
     assert layout_batch_size("cell", True, (8, 1)) == 8
+
+
+def test_traces_written_before_batch_dims_read_as_dimension_0():
+    from memadvisor.trace.schema import batch_dims_of
+    old = {"batch_size": 8, "shapes": [[8, 3], [3, 3], []], "dtypes": ["float32"] * 3}
+    assert batch_dims_of(old) == [0, None, None]
+    new = dict(old, batch_dims=[1, None, None])
+    assert batch_dims_of(new) == [1, None, None]
