@@ -134,19 +134,28 @@ def current_session() -> Session | None:
     return _session
 
 
-def micro_batches(*values):
+def micro_batches(*values, batch_dims=None):
     """This rank's micro-batches of the batch ``values``: a tuple per micro-batch, or the
-    value itself when one value is given.  Under DDP every micro-batch but the last runs in
-    ``no_sync`` (gradients are all-reduced once per step)."""
+    value itself when one value is given.  Each tensor is cut along its own batch dimension
+    (batching.py: sequence-first tensors along dimension 1, shared masks not at all);
+    ``batch_dims`` (one entry per tensor, None = shared) settles layouts the shapes cannot.
+    Under DDP every micro-batch but the last runs in ``no_sync`` (gradients are
+    all-reduced once per step)."""
     session = _session
     if session is None:
         yield values if len(values) != 1 else values[0]
         return
     plan = session.plan
     no_sync = getattr(session.model, "no_sync", None)  # DDP (ddp, zero1)
+    # the batch dims decided for the first batch, reused where a later one is ambiguous
+    decided = getattr(session, "decided_batch_dims", None)
+    if decided is None:
+        decided = session.decided_batch_dims = {}
     session.micro_batches_per_step = plan.accum
     try:
-        for index, part in enumerate(batching.split(values, plan, session.ranks.rank)):
+        for index, part in enumerate(batching.split(
+                values, plan, session.ranks.rank, model=session.model, batch_dims=batch_dims,
+                decided=decided)):
             last = index == plan.accum - 1
             with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
                 yield part if len(values) != 1 else part[0]

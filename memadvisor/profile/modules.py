@@ -5,12 +5,17 @@ torch's own ModTracker does) each module's forward registers multi-grad hooks: o
 outputs fires when its backward starts, one on its inputs when its backward ends.
 
 Paths are relative to the *root* module: the first module called while no other module
-was running.  A second unrelated root (a loss module, a discriminator) is prefixed with
-its class name so paths stay unique.
+was running -- or the module whose method called it (a LightningModule's
+``training_step`` calling ``self.encoder(x)``, a VAE's ``encode``), so that paths are the
+attribute names the user writes.  A second unrelated root (a loss module, a GAN's other
+network) is prefixed with the name the calling code holds it by (``netG``, ``criterion``),
+else its class name, so paths stay unique.
 """
 from __future__ import annotations
 
+import sys
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -69,6 +74,47 @@ def clean_path(path: str) -> str:
     return ".".join(part for part in path.split(".") if part != "_orig_mod")
 
 
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_OWN_DIR = str(Path(__file__).parents[1])
+
+
+def _user_frames(limit: int = 24):
+    """The calling frames outside torch and memadvisor, innermost first."""
+    frame = sys._getframe(2)
+    while frame is not None and limit:
+        name = frame.f_code.co_filename
+        if not name.startswith((_TORCH_DIR, _OWN_DIR)):
+            yield frame
+        frame = frame.f_back
+        limit -= 1
+
+
+def _calling_container(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost module whose method (``self`` of a calling frame) holds ``module`` as
+    a submodule: the model a framework or a custom method calls a part of."""
+    found = None
+    for frame in _user_frames():
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and owner is not module and \
+                any(sub is module for sub in owner.modules()):
+            found = owner
+    return found
+
+
+def _held_as(module: torch.nn.Module) -> str | None:
+    """The name user code holds ``module`` by (a local, a global, ``self.<attribute>``)."""
+    for frame in _user_frames():
+        for scope in (frame.f_locals, frame.f_globals):
+            for name, value in list(scope.items()):
+                if value is module and name.isidentifier() and name != "self":
+                    return name
+        owner = frame.f_locals.get("self")
+        for name, value in list(getattr(owner, "__dict__", {}).items()):
+            if value is module and name.isidentifier():
+                return name
+    return None
+
+
 class ModuleTracker:
     """Maintains ``current`` (innermost module path) and calls back on root entry."""
 
@@ -90,6 +136,9 @@ class ModuleTracker:
         #: convolution and Linear (probes.py)
         self.probe_specs: dict[str, tuple[str, dict]] = {}
         self._probe_shapes: dict[str, Any] = {}
+        #: called with (module, args) for every module call in forward (the batch observer
+        #: reads the layout of sequence modules there)
+        self.on_module_call: Callable[[torch.nn.Module, tuple], None] | None = None
 
     # --- naming ------------------------------------------------------------------------
     def name_of(self, module: torch.nn.Module) -> str:
@@ -99,9 +148,17 @@ class ModuleTracker:
         return name
 
     def _adopt_root(self, module: torch.nn.Module) -> str:
-        prefix = "" if not self.roots else type(module).__name__
-        self.roots.append(weakref.ref(module))
-        for path, sub in module.named_modules(remove_duplicate=False):
+        container = _calling_container(module)
+        root = container if container is not None and container not in self._names else module
+        if not self.roots:
+            prefix = ""
+        else:
+            taken = {self._names.get(r()) for r in self.roots if r() is not None}
+            prefix = _held_as(root) or type(root).__name__
+            if prefix in taken:
+                prefix = f"{prefix}.{type(root).__name__}"
+        self.roots.append(weakref.ref(root))
+        for path, sub in root.named_modules(remove_duplicate=False):
             path = clean_path(path)
             full = ".".join(p for p in (prefix, path) if p)
             self._names.setdefault(sub, full)
@@ -135,6 +192,8 @@ class ModuleTracker:
             self._on_root_forward(module, args)
         name = self.name_of(module)
         self._forward_stack.append(name)
+        if self.on_module_call is not None:
+            self.on_module_call(module, args)
         if isinstance(module, _PROBED) and args:
             # once per module and input shape (the spec is the same step after step)
             shape = getattr(args[0], "shape", None)

@@ -4,14 +4,15 @@
 the events table and metadata, ``session.write(path)`` writes the trace.
 
 Steps.  A step ends at a ``torch.optim`` optimizer step that follows a backward (global
-optimizer hooks).  Scripts that never call a ``torch.optim`` optimizer (manual updates)
+optimizer hooks), once every optimizer of the models has stepped (optimizer_steps.py).  Scripts that never call a ``torch.optim`` optimizer (manual updates)
 fall back to "one backward = one step", the step ending when the next forward begins.
 With ``steps=N`` the session raises ``StopProfiling`` (a ``BaseException``, so a user's
 ``except Exception`` does not swallow it) once N steps are done.
 
 Phases.  forward: from a root module's forward until backward; backward: while the
 autograd engine runs (``_current_graph_task_id``), closed by an engine callback;
-optimizer: between the optimizer step pre and post hooks; other: everything else.
+optimizer: between the optimizer step pre and post hooks, but for a closure's forward and
+backward run inside the step (LBFGS, Lightning); other: everything else.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from torch.optim.optimizer import (
 
 from ..trace import analysis, schema
 from . import metadata
+from .batch_capture import BatchObserver, call_kwargs
+from .optimizer_steps import OptimizerCycle
 from .dispatch import TrackingMode, _storage, _tensors
 from .modules import ModuleTracker, clean_path
 from .probes import probe_modules
@@ -83,6 +86,8 @@ class ProfileSession:
         self.mode = TrackingMode(self.recorder, self.locator)
         self.modules = ModuleTracker(self._set_module, self._root_forward)
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._optimizer_cycle = OptimizerCycle()  # GANs: one step = every optimizer once
+        self._optimizer_depth = 0  # > 0 inside optimizer.step (a closure may run there)
         # (seq, time_ns) of each boundary; step k ends at boundary k
         self._optimizer_boundaries: list[tuple[int, int]] = []
         self._backward_boundaries: list[tuple[int, int]] = []
@@ -91,7 +96,9 @@ class ProfileSession:
         self._in_backward = False
         self.backward_count = 0
         self._step_cuda: list[tuple[int | None, int | None]] = []
-        self._batch: dict = {}
+        #: the batch fed to the model trained (batch_capture.py)
+        self.batch_observer = BatchObserver()
+        self.modules.on_module_call = self.batch_observer.module_called
         self._last_progress = time.monotonic()
         self._timed_out = False
         self._watchdog: threading.Thread | None = None
@@ -99,7 +106,6 @@ class ProfileSession:
         self.stopped_at_steps = False
         self._stop_after_backward = False
         self._model_snapshot: dict = {}
-        self._batch_root_seen = False
         self._original_resize = None
         # id(parameter) -> owning module path ('blocks.0.attn'); ids stay valid because the
         # model outlives every step we record
@@ -186,6 +192,7 @@ class ProfileSession:
         torch.autograd.grad = wrap(torch.autograd.grad)
 
     def _backward_begins(self, tensors) -> None:
+        self.batch_observer.backward_begins()
         if self.engine != "native":
             self._in_backward = True
             self.recorder.phase = schema.BACKWARD
@@ -330,8 +337,6 @@ class ProfileSession:
             self._forward_begins()
 
     def _forward_begins(self, at_seq: int | None = None) -> None:
-        if self.recorder.phase != schema.FORWARD:
-            self._batch_root_seen = False  # the first root of this forward describes the batch
         if self._backward_since_forward:
             self._backward_since_forward = False
             if self._counting_backward():
@@ -359,11 +364,7 @@ class ProfileSession:
         for tensor, storage in batch:
             self._register_existing(tensor, storage)
             self.recorder.mark(storage, schema.INPUT)
-        batch = [tensor for tensor, _ in batch]
-        if batch and not self._batch_root_seen:
-            self._batch = {"shapes": [list(t.shape) for t in batch],
-                           "dtypes": [str(t.dtype).removeprefix("torch.") for t in batch]}
-        self._batch_root_seen = True
+        self.batch_observer.root_forward(module, args, call_kwargs(module))
         self.recorder.phase = schema.FORWARD
 
     def _scan_module(self, module: torch.nn.Module, rescan: bool = False) -> None:
@@ -442,6 +443,7 @@ class ProfileSession:
         # a backward that did not come through torch.autograd.backward/grad (see
         # _patch_autograd): closed by an engine callback
         if not self._in_backward and torch._C._current_graph_task_id() != -1:
+            self.batch_observer.backward_begins()
             self._in_backward = True
             self.recorder.phase = schema.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -452,7 +454,7 @@ class ProfileSession:
         self._backward_since_optimizer_step = True
         self._backward_since_forward = True
         self.modules.backward_finished()
-        self.recorder.phase = schema.OTHER_PHASE
+        self.recorder.phase = schema.OPTIMIZER if self._optimizer_depth else schema.OTHER_PHASE
         trainable = self._root_parameters()
         leaves = [ref() for ref in list(self._leaves.values())]
         owners = self._param_owner
@@ -468,6 +470,9 @@ class ProfileSession:
 
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
         self._optimizers.add(optimizer)
+        # a closure (LBFGS, Lightning's automatic optimization) runs forward and backward
+        # inside the step: the update after it is still the optimizer's
+        self._optimizer_depth += 1
         self.recorder.phase = schema.OPTIMIZER
         self.recorder.module = ""
         owners = self._param_owner
@@ -481,14 +486,19 @@ class ProfileSession:
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
         self._mark_optimizer_state(optimizer)
-        self.recorder.phase = schema.OTHER_PHASE
+        self._optimizer_depth = max(self._optimizer_depth - 1, 0)
+        self.recorder.phase = schema.OPTIMIZER if self._optimizer_depth else schema.OTHER_PHASE
         if self._backward_since_optimizer_step and self.step_boundary != "backward":
             self._backward_since_optimizer_step = False
             self._backward_since_forward = False
-            self._boundary(self._optimizer_boundaries)
-            if self.steps_requested and len(self._optimizer_boundaries) >= self.steps_requested:
-                self.stopped_at_steps = True
-                raise StopProfiling()
+            owned = set(self._param_owner) | set(self._leaves)
+            for seq, time_ns in self._optimizer_cycle.optimizer_stepped(
+                    optimizer, owned, self.recorder.now_seq(), self.recorder.now_ns()):
+                self._boundary(self._optimizer_boundaries, seq, time_ns)
+                if self.steps_requested and \
+                        len(self._optimizer_boundaries) >= self.steps_requested:
+                    self.stopped_at_steps = True
+                    raise StopProfiling()
 
     def _mark_optimizer_state(self, optimizer) -> None:
         owners = self._param_owner
@@ -505,7 +515,10 @@ class ProfileSession:
     def _maybe_stop_backward_mode(self) -> None:
         if not self.steps_requested:
             return
-        if self.step_boundary == "backward":
+        if self.step_boundary == "backward" or not self._optimizer_cycle.expects_optimizer(
+                set(self._param_owner) | set(self._leaves)):
+            # no torch.optim optimizer holds the model's parameters: updates are manual,
+            # one backward is one step (not 11 counted as "step 11/3")
             threshold = self.steps_requested
         else:
             # no torch.optim step seen yet: maybe gradient accumulation over many
@@ -516,9 +529,11 @@ class ProfileSession:
             self._stop_after_backward = True
 
     # --- steps -------------------------------------------------------------------------
-    def _boundary(self, boundaries: list[tuple[int, int]], at_seq: int | None = None) -> None:
+    def _boundary(self, boundaries: list[tuple[int, int]], at_seq: int | None = None,
+                  at_ns: int | None = None) -> None:
         seq = self.recorder.now_seq() if at_seq is None else at_seq
-        boundaries.append((seq, self.recorder.now_ns()))
+        boundaries.append((seq, self.recorder.now_ns() if at_ns is None else at_ns))
+        self.batch_observer.step_ends()
         self._last_progress = time.monotonic()
         cuda = (None, None)
         if self.cuda_peaks and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -527,7 +542,10 @@ class ProfileSession:
         self._step_cuda.append(cuda)
         if len(boundaries) == 1:
             self._snapshot_model()  # once, in case the script drops its model before exit
-        if self.on_step is not None:
+        provisional = boundaries is self._backward_boundaries and \
+            self.step_boundary == "auto" and self._optimizer_cycle.expects_optimizer(
+                set(self._param_owner) | set(self._leaves))
+        if self.on_step is not None and not provisional:  # progress counts the steps kept
             self.on_step({"steps_done": len(boundaries), "steps_requested": self.steps_requested,
                           "live_bytes": self.recorder.live_bytes,
                           "peak_bytes": self.recorder.peak_bytes})
@@ -603,9 +621,7 @@ class ProfileSession:
             parameters = [leaf for leaf in (ref() for ref in self._leaves.values())
                           if leaf is not None]
         device = metadata.main_device(roots)
-        batch = dict(self._batch)
-        if batch.get("shapes") and batch["shapes"][0]:
-            batch["batch_size"] = batch["shapes"][0][0]
+        batch = dict(self.batch_observer.batch)
         self._model_snapshot = dict(
             parameter_count=sum(p.numel() for p in parameters),
             trainable_parameter_count=sum(p.numel() for p in parameters if p.requires_grad),

@@ -5,8 +5,13 @@ activation, temporary, other or autocast weight scales with the batch when its *
 dimension is
 
 * the batch size ``B`` recorded in ``meta.batch['batch_size']``, or
-* ``B`` times the product of leading non-batch dimensions of a batch tensor (a (B, T)
-  token batch makes (B*T, C) flattened activations), or
+* ``B`` times the product of the dimensions before and after it in a batch tensor,
+  flattened from the front (a (B, T) token batch makes (B*T, C) activations, a
+  sequence-first (T, B) one makes (T*B, C)), or
+* it holds the dimensions before the batch dimension of a batch tensor
+  (``meta.batch['batch_dims']``) followed by ``B``: the (T, B, C) activations of a
+  sequence-first batch (T, B), attention's stacked (3, T, B, C) projections, the
+  (layers, B, H) states of an RNN fed (layers, B, H), or
 * another multiple of ``B`` (B*heads, ...) in a tensor of two or more dimensions *and*
   the shape is not a parameter's shape
   (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay);
@@ -24,7 +29,8 @@ The script's input batch does not scale: ``apply`` hands each rank and micro-ste
 (a view) of the batch the script loaded, whose storage stays whole.
 
 Limits: with ``B == 1`` every first dimension is a multiple of B, so only the first two
-rules apply; layouts with the batch elsewhere than first (T, B, C) are not scaled; sizes
+rules apply; a sequence-first activation whose length is no batch tensor's (a decoder
+that changes the length) is not scaled; sizes
 that depend on the batch non-linearly (attention over a packed batch) are treated as
 linear.  A second profile at another batch size settles all of these (not yet used).
 """
@@ -42,16 +48,38 @@ RESIZE_OP = "UntypedStorage.resize_"  #: the profiler's op for a storage resized
 
 
 def batch_multiples(batch: dict) -> set[int]:
+    """``B`` and the sizes a batch tensor's batch becomes flattened with its neighbours."""
     size = int(batch.get("batch_size") or 0)
     if size <= 0:
         return set()
     out = {size}
-    for shape in batch.get("shapes") or []:
-        if shape and int(shape[0]) == size:
-            product = size
-            for dim in shape[1:]:
-                product *= int(dim)
+    for shape, dim in zip(batch.get("shapes") or [], schema.batch_dims_of(batch)):
+        if dim is None or dim >= len(shape) or int(shape[dim]) != size:
+            continue
+        product = 1
+        for index, extent in enumerate(shape):
+            product *= int(extent)
+            if index >= dim:
                 out.add(product)
+    return out
+
+
+def batch_prefixes(batch: dict) -> set[tuple[int, ...]]:
+    """The dimensions before the batch dimension of each batch tensor not batch-first."""
+    size = int(batch.get("batch_size") or 0)
+    return {tuple(int(d) for d in shape[:dim])
+            for shape, dim in zip(batch.get("shapes") or [], schema.batch_dims_of(batch))
+            if dim and dim < len(shape) and int(shape[dim]) == size}
+
+
+def _after_prefix(shapes: np.ndarray, prefixes: set[tuple[int, ...]], size: int) -> np.ndarray:
+    """Shapes (strings) holding a prefix followed by the batch size: (T, B, ...), or
+    (3, T, B, C) where attention stacks its projections in front."""
+    out = np.zeros(len(shapes), bool)
+    for index, text in enumerate(shapes):
+        dims = tuple(int(d) for d in text.split(",")) if text else ()
+        out[index] = any(dims[start:start + len(p)] == p and dims[start + len(p)] == size
+                         for p in prefixes for start in range(len(dims) - len(p)))
     return out
 
 
@@ -67,7 +95,10 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
         is_param_shape = np.array([s in parameter_shapes for s in shapes])
         exact = np.isin(first, list(multiples))
         other = (first % size == 0) & (first > 0) & ~is_param_shape & (size > 1) & (ndim >= 2)
-        by_shape = exact | other
+        prefixes = batch_prefixes(batch)
+        sequence_first = (_after_prefix(shapes, prefixes, size) & ~is_param_shape
+                          if prefixes else np.zeros(len(shapes), bool))
+        by_shape = exact | other | sequence_first
         raw = timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
         # a storage resized in place (FSDP's unsharded parameters) records its byte count
         # as its shape: no tensor shape to go by

@@ -142,7 +142,12 @@ class TraceMeta:
     #: e.g. {'class': 'AdamW', 'hyperparameters': {'lr': 0.001, ...}, 'state_bytes': ...}
     optimizers: list[dict[str, Any]] = field(default_factory=list)
     modules: list[dict[str, Any]] = field(default_factory=list)  #: ModuleInfo dicts
-    #: what is known about the batch: {'batch_size': 32, 'shapes': [[32, 128]], 'dtypes': [...]}
+    #: what is known about the batch: {'batch_size': 32, 'shapes': [[32, 128]], 'dtypes': [...],
+    #: 'names': ['input_ids', ...] (argument or keyword of the root call), 'batch_dims': [0, ...]
+    #: (per shape: the batch dimension, None where the tensor has none: a shared mask),
+    #: 'evidence': how the batch dimension was decided}.  Traces before batch_dims (all
+    #: written by profile before 2026-11-24) mean dimension 0 where it equals batch_size:
+    #: read it through ``batch_dims_of``.
     batch: dict[str, Any] = field(default_factory=dict)
     steps: list[dict[str, Any]] = field(default_factory=list)  #: StepInfo dicts
     #: per (module, phase) aten op statistics: [{'module', 'phase', 'op', 'calls', 'flops'}]
@@ -170,6 +175,18 @@ class TraceMeta:
         if unknown:
             meta.extra = {**meta.extra, **unknown}
         return meta
+
+
+def batch_dims_of(batch: dict[str, Any]) -> list[int | None]:
+    """Each batch tensor's batch dimension; older traces (no 'batch_dims') meant dimension 0
+    of every shape whose first size is the batch size."""
+    shapes = batch.get("shapes") or []
+    dims = batch.get("batch_dims")
+    if dims is not None and len(dims) == len(shapes):
+        return [None if d is None else int(d) for d in dims]
+    size = batch.get("batch_size")
+    return [0 if shape and size is not None and int(shape[0]) == int(size) else None
+            for shape in shapes]
 
 
 def shape_to_str(shape) -> str:
