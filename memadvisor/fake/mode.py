@@ -18,11 +18,12 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            FakeTensorMode, UnsupportedOperatorException)
 from torch.utils._pytree import tree_iter
 
-from . import placeholders
+from . import packed, placeholders, real_cpu
 from .memory import LiveFakeBytes
 
 _aten = torch.ops.aten
 _NO_OPS = frozenset({_aten.record_stream.default})
+_VALUE_READS = placeholders.SCALAR_OPS | placeholders.TRUE_OPS | placeholders.UPPER_BOUND_OPS
 
 
 class FakeOpUnsupported(RuntimeError):
@@ -44,12 +45,15 @@ class SimulatedGpuMode(FakeTensorMode):
     """FakeTensorMode that answers value reads with placeholders and counts live bytes."""
 
     def __init__(self, *, live_bytes: LiveFakeBytes | None = None,
-                 placeholder_log: placeholders.PlaceholderLog | None = None):
+                 placeholder_log: placeholders.PlaceholderLog | None = None,
+                 real_cpu: bool = False):
         # real tensors (CPU data, numpy-made batches) mix in freely: they are converted
         # to fake tensors when an op meets them, as a copy to the GPU would
         super().__init__(allow_non_fake_inputs=True)
         self.live_bytes = live_bytes if live_bytes is not None else LiveFakeBytes()
         self.placeholder_log = placeholder_log or placeholders.PlaceholderLog()
+        #: small CPU tensors computed for real (``real_cpu.py``): on a simulated GPU
+        self.real_cpu = real_cpu
 
     def __deepcopy__(self, memo):
         # a fake tensor keeps its mode in its __dict__, which Tensor.__deepcopy__ copies:
@@ -75,6 +79,14 @@ class SimulatedGpuMode(FakeTensorMode):
             return super().dispatch(_aten.clone.default, types, (args[0],), {})
         if func is _aten.is_pinned.default:
             return False
+        if self.real_cpu and real_cpu.runs_for_real(func, args, kwargs, _VALUE_READS):
+            return func(*args, **kwargs)  # this mode is off inside its own dispatch
+        handler = packed.HANDLERS.get(func)
+        if handler is not None:  # shapes from real lengths (packed.py)
+            out = handler(self._empty, *args, **kwargs)
+            if out is not NotImplemented:
+                self._track(out)
+                return out
         answered = placeholders.answer(func, args, kwargs, self.placeholder_log, self._empty)
         if answered is not NotImplemented:
             self._track(answered)
@@ -93,6 +105,11 @@ class SimulatedGpuMode(FakeTensorMode):
             # custom ops (torch.library) without a fake kernel say so in their message
             if "fake impl" in str(exc) or "register_fake" in str(exc):
                 raise FakeOpUnsupported(_op_name(func), "no fake kernel registered",
+                                        placeholders.script_location()) from None
+            if "Could not run" in str(exc) and "backend" in str(exc):
+                # no meta kernel: FakeTensorMode's fallback tried the real kernel, which
+                # this build lacks for the simulated device (e.g. a packed RNN, gru.data)
+                raise FakeOpUnsupported(_op_name(func), "no fake or meta kernel",
                                         placeholders.script_location()) from None
             raise
         self._track(out)

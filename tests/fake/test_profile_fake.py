@@ -184,3 +184,15 @@ def test_a_script_with_its_own_ddp_runs_on_fake_ranks(tmp_path):
     weight_bytes = 1024 * 1024 * 4
     # the weight, its gradient and DDP's gradient bucket: one block each of the weight's size
     assert (rows.size_bytes == weight_bytes).sum() >= 3
+
+
+def test_small_cpu_tensors_have_their_real_values(tmp_path):
+    proc, trace_path = _profile(tmp_path, SCRIPTS / "cpu_values.py", "--gpu", "a100-40gb")
+    assert proc.returncode == 0, proc.stderr
+    # lengths 7, 5, 2: 14 packed rows, batch sizes by time step, the padded batch back
+    assert "shapes (14, 8) [3, 3, 2, 2, 2, 1, 1] (3, 7, 8) [7, 5, 2] (12,) 14" in proc.stdout
+    assert "read tensor values" not in proc.stderr  # no placeholder was needed
+    trace = read_trace(trace_path)
+    rows = trace.events[(trace.events.device == "cuda:0") & (trace.events.action == "alloc")]
+    # the packed data on the GPU: 14 rows of 8 floats
+    assert (rows.size_bytes == 14 * 8 * 4).any()
