@@ -42,12 +42,7 @@ def detect(script: Script) -> bool:
 
 
 def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, str]]:
-    calls = script.calls_to(_is_accelerator)
-    if len(calls) != 1:
-        lines = ", ".join(str(script.line(c)) for c in calls)
-        raise RewriteError(f"{script.filename}: {len(calls)} Accelerator(...) calls (lines "
-                           f"{lines}); memadvisor edits exactly one")
-    call = calls[0]
+    call = script.the_one_call(_is_accelerator, "Accelerator(...)")
     at = f"{script.filename}:{script.line(call)}"
     accelerator = _assigned_name(script, call)
     if accelerator is None:

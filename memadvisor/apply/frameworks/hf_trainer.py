@@ -54,15 +54,9 @@ def installed_arguments() -> tuple[set[str], set[str]]:
 
 
 def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, str]]:
-    calls = script.calls_to(_is_arguments)
     where = script.filename
-    if len(calls) != 1:
-        raise RewriteError(
-            f"{where}: the HF Trainer is configured through TrainingArguments(...), and "
-            f"{'no such call' if not calls else f'{len(calls)} calls'} found "
-            f"(lines {', '.join(str(script.line(c)) for c in calls) or '-'}); memadvisor "
-            "edits exactly one")
-    call = calls[0]
+    call = script.the_one_call(
+        _is_arguments, "the HF Trainer is configured through TrainingArguments(...)")
     line = script.line(call)
     at = f"{where}:{line}"
     if has_star_kwargs(call):

@@ -47,12 +47,7 @@ def detect(script: Script) -> bool:
 
 
 def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, str]]:
-    calls = script.calls_to(_is_trainer)
-    if len(calls) != 1:
-        lines = ", ".join(str(script.line(c)) for c in calls)
-        raise RewriteError(f"{script.filename}: {len(calls)} Lightning Trainer(...) calls "
-                           f"(lines {lines}); memadvisor edits exactly one")
-    call = calls[0]
+    call = script.the_one_call(_is_trainer, "Lightning Trainer(...)")
     line = script.line(call)
     at = f"{script.filename}:{line}"
     edits = Edits()

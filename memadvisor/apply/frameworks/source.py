@@ -61,6 +61,18 @@ class Script:
         return [c for c in self.nodes(cst.Call)
                 if (name := self.qualified(c.func)) is not None and accept(name)]
 
+    def the_one_call(self, accept: Callable[[str], bool], what: str) -> cst.Call:
+        """The single call ``accept`` names (the configuration line a plan edits); a
+        RewriteError naming the lines when there is none or several."""
+        from ..rewrite import RewriteError
+        calls = self.calls_to(accept)
+        if len(calls) != 1:
+            lines = ", ".join(str(self.line(c)) for c in calls) or "-"
+            found = "no such call" if not calls else f"{len(calls)} calls"
+            raise RewriteError(f"{self.filename}: {what}: {found} found (lines {lines}); "
+                               "memadvisor edits exactly one")
+        return calls[0]
+
     def imports_module(self, prefix: str) -> bool:
         return any(v == prefix or v.startswith(prefix + ".") for v in self.imports.values())
 
