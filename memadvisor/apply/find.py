@@ -18,95 +18,75 @@ batch      variables the forward..backward statements read      ``# memadvisor: 
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-#: optimizer classes recognised by bare name (``from torch.optim import AdamW``)
-TORCH_OPTIMIZERS = {
-    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam",
-    "ASGD", "Rprop", "LBFGS", "SparseAdam", "Adafactor", "Muon",
-}
-MARKER = re.compile(r"#\s*memadvisor:\s*(model|optimizer|forward|batch)\b")
-_OPTIM_CALL = re.compile(r"(^|\.)optim(izers?)?\.[A-Za-z_]\w*$")
-_SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
-_LOOPS = (cst.For, cst.While)
+from .find_calls import TrainingCalls
+
+from .syntax import (  # noqa: F401  (dotted, collect: used by rewrite)
+    LOOPS as _LOOPS, MARKER, OPTIM_CALL as _OPTIM_CALL, SCOPES as _SCOPES, TORCH_OPTIMIZERS,
+    NotFound, bound_names, collect, dotted, last_part as _last, same_object as _same_object,
+)
 
 
-class NotFound(Exception):
-    """One thing the rewrite needs and did not find, with how to mark it."""
+@dataclass
+class Pair:
+    """One model and the optimizer that trains it; ``prepare`` goes after ``statement``."""
+    statement: cst.CSTNode
+    optimizer: str  #: the optimizer as the script names it, e.g. 'optimizer', 'self.opt'
+    model: str  #: e.g. 'model', 'self.model'
+    opaque: bool = False  #: made by a call memadvisor cannot see into (checked at run time)
+    methods: list[str] = field(default_factory=list)  #: model.<method>(...) the script calls
 
-    def __init__(self, what: str, message: str):
-        super().__init__(message)
-        self.what = what
+
+@dataclass
+class Backward:
+    expr: cst.Expr  #: ``<loss>.backward()`` or ``<scaler>.scale(<loss>).backward()``
+    loss: cst.BaseExpression
+    scaler: cst.BaseExpression | None = None
+
+
+@dataclass
+class Step:
+    expr: cst.Expr  #: ``<optimizer>.step(...)`` or ``<scaler>.step(<optimizer>, ...)``
+    optimizer: cst.BaseExpression
+    args: list  #: what the step is given besides the optimizer (a closure)
+    scaler: cst.BaseExpression | None = None
 
 
 @dataclass
 class Found:
-    optimizer_statement: cst.SimpleStatementLine
-    optimizer: str  #: the optimizer as the script names it, e.g. 'optimizer', 'self.opt'
-    model: str  #: e.g. 'model', 'self.model'
-    backward: cst.Expr  #: the ``<loss>.backward()`` expression statement
-    steps: list[cst.Expr]  #: ``<optimizer>.step()`` expression statements
+    pairs: list[Pair]
+    backwards: list[Backward]
+    steps: list[Step]
+    unscales: list[Step]  #: ``<scaler>.unscale_(<optimizer>)`` statements
     clips: list[cst.Call]  #: ``torch.nn.utils.clip_grad_norm_/value_`` calls
-    block: cst.CSTNode  #: IndentedBlock or Module holding the forward..backward region
-    region: list[cst.CSTNode]  #: statements from the forward through the backward
-    hoisted: list[cst.CSTNode]  #: ``zero_grad`` statements inside the region
-    batch: list[str]  #: names the region takes the batch from
-    #: batch names bound before the loop: the loop hands out parts under new names, or the
-    #: next pass would split the previous pass's last part
+    #: the forward..backward region the micro-batch loop wraps; None when the batch cannot
+    #: be split (several backward calls per step): ``split_refusal`` says why
+    block: cst.CSTNode | None = None
+    region: list[cst.CSTNode] = field(default_factory=list)
+    hoisted: list[cst.CSTNode] = field(default_factory=list)  #: ``zero_grad`` in the region
+    #: statements of the region that fetch the next batch (nanoGPT's prefetch): they run
+    #: once per step after the micro-batch loop, with their own names
+    after: list[cst.CSTNode] = field(default_factory=list)
+    batch: list[str] = field(default_factory=list)  #: names the region takes the batch from
+    #: batch names bound outside the region's loop or function: the loop hands out parts
+    #: under new names, or the next pass would split the previous pass's last part
     renames: dict[str, str] = field(default_factory=dict)
+    split_refusal: str | None = None
+    closure_steps: list[str] = field(default_factory=list)  #: 'line N: `opt.step(closure)`'
+    shadow_copies: list[str] = field(default_factory=list)  #: see TrainingCalls.shadow_copies
     lines: dict[str, int] = field(default_factory=dict)  #: what -> line, for the report
 
+    @property
+    def model(self) -> str:
+        return ", ".join(p.model for p in self.pairs)
 
-def dotted(node) -> str | None:
-    """'a.b.c' for a Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = dotted(node.value)
-        return f"{base}.{node.attr.value}" if base else None
-    return None
-
-
-def _last(text: str | None) -> str | None:
-    return text.rsplit(".", 1)[-1] if text else None
-
-
-def _same_object(text: str | None, reference: str) -> bool:
-    """``opt`` matches ``opt`` and ``self.opt``: scripts pass the object to helpers under the
-    name it was created with, or keep it on ``self``."""
-    return text is not None and (text == reference or _last(text) == _last(reference))
-
-
-class _Collector(cst.CSTVisitor):
-    def __init__(self, kinds):
-        self.kinds = kinds
-        self.found = []
-
-    def on_visit(self, node):
-        if isinstance(node, self.kinds):
-            self.found.append(node)
-        return True
-
-
-def collect(node: cst.CSTNode, kinds) -> list:
-    visitor = _Collector(kinds)
-    node.visit(visitor)
-    return visitor.found
-
-
-def bound_names(target) -> list[str]:
-    """Names an assignment/for target binds."""
-    if isinstance(target, cst.Name):
-        return [target.value]
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for el in target.elements for n in bound_names(el.value)]
-    if isinstance(target, cst.StarredElement):
-        return bound_names(target.value)
-    return []
+    @property
+    def optimizer(self) -> str:
+        return ", ".join(p.optimizer for p in self.pairs)
 
 
 #: methods whose arguments say how to move or reshape a tensor, not which tensor it is
@@ -136,7 +116,7 @@ class _Index(cst.CSTVisitor):
         self._stack.pop()
 
 
-class ScriptFinder:
+class ScriptFinder(TrainingCalls):
     def __init__(self, module: cst.Module, filename: str = "script.py"):
         self.module = module
         index = _Index()
@@ -207,140 +187,8 @@ class ScriptFinder:
                     found.append(small)
         return found
 
-    # --- the things -------------------------------------------------------------------
-    def optimizer(self) -> tuple[cst.SimpleStatementLine, str, cst.CSTNode]:
-        marked, candidates = [], []
-        for statement, target, value in self.assignments():
-            text = self.module.code_for_node(target).strip()
-            if self.marker(statement) == "optimizer":
-                marked.append((statement, text, value))
-            elif isinstance(value, cst.Call):
-                func = dotted(value.func) or ""
-                if "lr_scheduler" in func or "scheduler" in func.lower():
-                    continue
-                if _OPTIM_CALL.search(func) or func in TORCH_OPTIMIZERS:
-                    candidates.append((statement, text, value))
-        chosen = marked or candidates
-        if not chosen:
-            manual = any(isinstance(s, cst.AugAssign) and isinstance(s.target, cst.Name)
-                         for s in self.nodes(cst.AugAssign))
-            hint = (" (the script seems to update parameters by hand; memadvisor needs a "
-                    "torch.optim optimizer to shard, swap or offload)" if manual else "")
-            raise NotFound("optimizer", "no `NAME = torch.optim.<Class>(...)` found" + hint +
-                           "; if the optimizer is made elsewhere, end the line that assigns it "
-                           "with `# memadvisor: optimizer`")
-        if len(chosen) > 1 and len({text for _, text, _ in chosen}) == 1:
-            # one optimizer chosen by a flag (if/elif/else): prepare after the whole choice
-            common = self._common_statement([statement for statement, _, _ in chosen])
-            if common is not None:
-                return common, chosen[0][1], chosen[0][2]
-        if len(chosen) > 1:
-            stepped = {dotted(e.value.func.value) for e in self.expression_calls("step")}
-            with_step = [c for c in chosen if c[1] in stepped]
-            if len(with_step) != 1:
-                lines = ", ".join(str(self.line(c[0])) for c in chosen)
-                raise NotFound("optimizer", f"{len(chosen)} optimizers (lines {lines}); a plan "
-                               "applies to one model and one optimizer: mark the one to use "
-                               "with `# memadvisor: optimizer`")
-            chosen = with_step
-        return chosen[0]
-
-    def _common_statement(self, statements):
-        """The innermost statement holding all of ``statements``, if they share one."""
-        def chain(node):
-            found = []
-            while node is not self.module:
-                node = self.parents[node]
-                if isinstance(node, cst.BaseCompoundStatement):
-                    found.append(node)
-            return found
-        shared = [n for n in chain(statements[0]) if all(n in chain(s) for s in statements[1:])]
-        shared = [n for n in shared if not isinstance(n, (*_SCOPES, *_LOOPS))]
-        return shared[0] if shared else None
-
-    def model(self, optimizer_statement, optimizer_value) -> str:
-        for statement, target, _ in self.assignments():
-            if self.marker(statement) == "model":
-                return self.module.code_for_node(target).strip()
-        owners = self._parameter_owners(optimizer_value)
-        if not owners:
-            # the optimizer was given a name (params, groups): look where that was built
-            scope = self.enclosing(optimizer_statement, _SCOPES)
-            before = [s for s in collect(scope, cst.SimpleStatementLine)
-                      if self.before(s, optimizer_statement)]
-            for statement in before:
-                owners.extend(self._parameter_owners(statement))
-            for loop in collect(scope, cst.For):
-                if self.before(loop, optimizer_statement):
-                    owners.extend(self._parameter_owners(loop.iter))
-            owners = list(dict.fromkeys(owners))
-        if len(owners) != 1:
-            found = f" (found {', '.join(owners)})" if owners else ""
-            raise NotFound("model", "could not tell which model the optimizer trains: expected "
-                           f"`MODEL.parameters()` in the optimizer's arguments{found}; end the "
-                           "line that assigns the model with `# memadvisor: model`")
-        return owners[0]
-
-    def _parameter_owners(self, node) -> list[str]:
-        owners = []
-        for call in collect(node, cst.Call):
-            if (isinstance(call.func, cst.Attribute)
-                    and call.func.attr.value in ("parameters", "named_parameters")):
-                owner = dotted(call.func.value)
-                if owner:
-                    owners.append(owner)
-        return list(dict.fromkeys(owners))
-
-    def backward(self) -> cst.Expr:
-        calls = self.expression_calls("backward")
-        scaled = [c for c in calls if isinstance(c.value.func.value, cst.Call)
-                  and isinstance(c.value.func.value.func, cst.Attribute)
-                  and c.value.func.value.func.attr.value == "scale"]
-        if scaled:
-            raise NotFound("backward", f"line {self.line(scaled[0])}: the script scales the "
-                           "loss itself (GradScaler); remove its GradScaler/autocast and let "
-                           "the plan's precision do it")
-        if not calls:
-            raise NotFound("backward", "no `<loss>.backward()` statement found")
-        if len(calls) > 1:
-            lines = ", ".join(str(self.line(c)) for c in calls)
-            raise NotFound("backward", f"{len(calls)} `.backward()` calls (lines {lines}); "
-                           "memadvisor rewrites scripts with one backward per step")
-        return calls[0]
-
-    def steps(self, optimizer: str) -> list[cst.Expr]:
-        schedulers = {self.module.code_for_node(t).strip()
-                      for _, t, v in self.assignments()
-                      if isinstance(v, cst.Call) and "sched" in (dotted(v.func) or "").lower()}
-        found = [e for e in self.expression_calls("step")
-                 if not e.value.args and _same_object(dotted(e.value.func.value), optimizer)
-                 and dotted(e.value.func.value) not in schedulers]
-        for call in self.nodes(cst.Call):
-            if (isinstance(call.func, cst.Attribute) and call.func.attr.value == "step"
-                    and call.args and dotted(call.args[0].value) == optimizer):
-                raise NotFound("step", f"line {self.line(call)}: the optimizer is stepped "
-                               "through a GradScaler; remove it and let the plan's precision "
-                               "scale the loss")
-        if not found:
-            raise NotFound("step", f"no `{optimizer}.step()` call found for the optimizer")
-        return found
-
-    def clips(self) -> list[cst.Call]:
-        imported = {alias.evaluated_alias or alias.evaluated_name
-                    for node in self.nodes(cst.ImportFrom)
-                    if dotted(node.module) in ("torch.nn.utils", "torch.nn.utils.clip_grad")
-                    and not isinstance(node.names, cst.ImportStar)
-                    for alias in node.names}
-        found = []
-        for call in self.nodes(cst.Call):
-            text = dotted(call.func) or ""
-            prefix, _, name = text.rpartition(".")
-            if name in ("clip_grad_norm_", "clip_grad_value_") and (
-                    prefix in ("torch.nn.utils", "nn.utils") or (not prefix and text in imported)):
-                found.append(call)
-        return found
-
-    def forward_region(self, backward_statement, model: str):
+    # --- the region the micro-batch loop wraps --------------------------------------
+    def forward_region(self, backward_statement, models: list[str]):
         block = self.parents[backward_statement]
         body = list(block.body)
         end = body.index(backward_statement)
@@ -353,11 +201,11 @@ class ScriptFinder:
             for index, statement in enumerate(body[: end + 1]):
                 if any(_same_object(dotted(c.func), model) or
                        dotted(c.func) in (f"{model}.forward", f"{_last(model)}.forward")
-                       for c in collect(statement, cst.Call)):
+                       for c in collect(statement, cst.Call) for model in models):
                     start = index
                     break
         if start is None:
-            raise NotFound("forward", f"no call to `{model}(...)` before the backward at line "
+            raise NotFound("forward", f"no call to `{models[0]}(...)` before the backward at line "
                            f"{self.line(backward_statement)} in the same block; forward and "
                            "backward must be in one block: end the forward's first line with "
                            "`# memadvisor: forward`")
@@ -370,7 +218,7 @@ class ScriptFinder:
                                    "micro-batch loop; move it before the forward")
         return block, region
 
-    def hoistable(self, region, optimizer: str, model: str) -> list:
+    def hoistable(self, region, owners: set[str]) -> list:
         hoisted = []
         for statement in region[1:]:
             if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
@@ -379,9 +227,43 @@ class ScriptFinder:
             if (isinstance(small, cst.Expr) and isinstance(small.value, cst.Call)
                     and isinstance(small.value.func, cst.Attribute)
                     and small.value.func.attr.value == "zero_grad"
-                    and dotted(small.value.func.value) in (optimizer, model)):
+                    and dotted(small.value.func.value) in owners):
                 hoisted.append(statement)
         return hoisted
+
+    def next_batch_fetches(self, region, batch: list[str]) -> list:
+        """Statements of the region that fetch the next batch into the batch's names and
+        read nothing the region made (nanoGPT prefetches ``X, Y = get_batch('train')``
+        between forward and backward): they must run once per step, after the micro-batch
+        loop, under the names the next step reads."""
+        fetches = []
+        for index, statement in enumerate(region[1:-1], start=1):
+            if not isinstance(statement, cst.SimpleStatementLine):
+                continue
+            written = [n for small in statement.body if isinstance(small, cst.Assign)
+                       for t in small.targets for n in bound_names(t.target)]
+            if not written or not set(written) & set(batch):
+                continue
+            made_before = {n for s in region[:index] for n in self._written(s)}
+            read_after = {n for s in region[index + 1:] for n in self.data_names(s)}
+            if not (set(self.data_names(statement)) & made_before) and not (
+                    set(written) & read_after):
+                fetches.append(statement)
+        return fetches
+
+    def _written(self, statement) -> list[str]:
+        names = []
+        for node in collect(statement, (cst.Assign, cst.AnnAssign, cst.AugAssign, cst.For,
+                                        cst.WithItem)):
+            if isinstance(node, cst.Assign):
+                names += [n for t in node.targets for n in bound_names(t.target)]
+            elif isinstance(node, (cst.AnnAssign, cst.AugAssign)):
+                names += bound_names(node.target)
+            elif isinstance(node, cst.For):
+                names += bound_names(node.target)
+            elif node.asname is not None:
+                names += bound_names(node.asname.name)
+        return names
 
     def data_names(self, statement) -> list[str]:
         """Variables ``statement`` reads as data, in source order: not a callee, not what
@@ -400,6 +282,8 @@ class ScriptFinder:
                 if (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
                         and call.func.attr.value in _NON_DATA_METHODS):
                     continue
+            if isinstance(parent, cst.WithItem):
+                continue  # a context manager (``with ctx:``), not data
             if isinstance(parent, (cst.AssignTarget, cst.AugAssign, cst.For, cst.AsName)):
                 continue  # written, not read (targets of tuples are inside a Tuple: see below)
             if self._in_target(name) or self._inside_any(name, statement, _NOT_DATA_CONTEXTS):
@@ -425,26 +309,42 @@ class ScriptFinder:
                 return True
         return False
 
-    def batch(self, region, model: str, optimizer: str) -> list[str]:
+    def batch(self, region, models: list[str], excluded: set[str]) -> list[str]:
         first = region[0]
         container = self.enclosing(first, _LOOPS + (cst.FunctionDef,))
         for statement, target, _ in self.assignments():
             if self.marker(statement) == "batch" and self.before(statement, first):
                 return bound_names(target)
-        bound = set(self._bound_before(container, first))
-        excluded = {model.split(".")[0], optimizer.split(".")[0], "self", "cls"}
+        excluded = {e.split(".")[0] for e in excluded} | {"self", "cls"}
         used = [n for s in region for n in self.data_names(s)]
+        bound = set(self._bound_before(container, first))
         batch = [n for n in dict.fromkeys(used) if n in bound and n not in excluded]
-        if not batch:
-            # a fixed batch made once before the loop (or passed to the function holding it)
-            scope = self.enclosing(region[0], (cst.FunctionDef,))
-            outer = set(self._bound_before(scope, first))
+        scope = container
+        while not batch and scope is not self.module:
+            # a fixed batch made once before the loop, passed to the function holding it,
+            # or read by a closure from the function around it
+            scope = self.enclosing(scope, (cst.FunctionDef,))
+            outer = set(self._bound_before(scope, first)) - self._constants(scope)
             batch = [n for n in dict.fromkeys(used) if n in outer and n not in excluded]
         if not batch:
             raise NotFound("batch", f"could not tell which variables hold the batch fed to "
-                           f"`{model}` at line {self.line(first)}; end the line that assigns them "
-                           "with `# memadvisor: batch`")
+                           f"`{models[0]}` at line {self.line(first)}; end the line that assigns "
+                           "them with `# memadvisor: batch`")
         return batch
+
+    def _constants(self, scope) -> set[str]:
+        """Names bound in ``scope`` only to literal numbers, strings or booleans (settings
+        such as nanoGPT's ``gradient_accumulation_steps = 1``, not data)."""
+        literal = (cst.Integer, cst.Float, cst.SimpleString, cst.ConcatenatedString)
+        kinds: dict[str, bool] = {}
+        for statement, target, value in self.assignments():
+            if not self._inside(statement, scope):
+                continue
+            constant = isinstance(value, literal) or (
+                isinstance(value, cst.Name) and value.value in ("True", "False", "None"))
+            for name in bound_names(target):
+                kinds[name] = kinds.get(name, True) and constant
+        return {name for name, constant in kinds.items() if constant}
 
     def _bound_before(self, container, first) -> list[str]:
         names = []
@@ -487,47 +387,84 @@ class ScriptFinder:
                 problems.setdefault(exc.what, str(exc))
                 return None
 
-        optimizer_found = attempt("optimizer", self.optimizer)
-        model = optimizer = None
-        if optimizer_found:
-            statement, optimizer, value = optimizer_found
-            model = attempt("model", self.model, statement, value)
-        backward = attempt("backward", self.backward)
-        steps = attempt("step", self.steps, optimizer) if optimizer else None
+        chosen = attempt("optimizer", self.optimizers) or []
+        pairs, steps = [], []
+        for statement, optimizer, value, opaque in chosen:
+            model = attempt("model", self.model, statement, value, len(chosen) == 1)
+            found_steps = attempt("step", self.steps, optimizer)
+            if model and found_steps:
+                attempt("optimizer", self.check_prepare_runs, statement, optimizer, found_steps)
+                pairs.append(Pair(statement, optimizer, model, opaque,
+                                  self.model_methods(model, statement)))
+                steps += found_steps
+        backwards = attempt("backward", self.backwards)
         if "optimizer" in problems and not self.expression_calls("step"):
             problems.setdefault("step", "no `<optimizer>.step()` call found")
-        block = region = batch = None
-        if backward is not None and model:
-            backward_statement = self.statement_of(backward)
-            found_region = attempt("forward", self.forward_region, backward_statement, model)
-            if found_region:
-                block, region = found_region
-                batch = attempt("batch", self.batch, region, model, optimizer)
         if problems:
             raise ScriptNotUnderstood(self.filename, problems)
-        container = self.enclosing(region[0], _LOOPS + (cst.FunctionDef,))
-        renames = {}
-        if isinstance(container, _LOOPS):
-            fresh = set(self._bound_before(container, region[0]))
-            taken = {n.value for n in self.nodes(cst.Name)}
-            for name in batch:
-                if name not in fresh:
-                    new = f"{name}_part"
-                    while new in taken:
-                        new += "_"
-                    renames[name] = new
-        return Found(
-            optimizer_statement=optimizer_found[0], optimizer=optimizer, model=model,
-            backward=backward, steps=steps, clips=self.clips(), block=block, region=region,
-            hoisted=self.hoistable(region, optimizer, model), batch=batch, renames=renames,
-            lines={"model/optimizer": self.line(optimizer_found[0]),
-                   "forward": self.line(region[0]), "backward": self.line(backward),
-                   "step": self.line(steps[0])},
-        )
+        found = Found(pairs=pairs, backwards=backwards, steps=steps, clips=self.clips(),
+                      unscales=self.unscales([p.optimizer for p in pairs]))
+        found.shadow_copies = self.shadow_copies([p.model for p in pairs])
+        found.closure_steps = [f"line {self.line(s.expr)}: `{self._code(s.expr)}`"
+                               for s in steps if s.args]
+        found.lines = {"model/optimizer": self.line(pairs[0].statement),
+                       "backward": self.line(backwards[0].expr), "step": self.line(steps[0].expr)}
+        if len(backwards) > 1:
+            lines = ", ".join(str(self.line(b.expr)) for b in backwards)
+            found.split_refusal = (f"{len(backwards)} `.backward()` calls (lines {lines}); "
+                                   "memadvisor splits the batch around one forward..backward "
+                                   "per step")
+            return found
+        try:
+            self._find_region(found)
+        except NotFound as exc:
+            found.split_refusal = str(exc)
+            found.block, found.region, found.hoisted, found.after = None, [], [], []
+        return found
+
+    def _code(self, node) -> str:
+        return self.module.code_for_node(node).strip()
+
+    def _find_region(self, found: Found) -> None:
+        """The forward..backward region, its batch, and the names its parts get."""
+        models = [p.model for p in found.pairs]
+        backward_statement = self.statement_of(found.backwards[0].expr)
+        found.block, found.region = self.forward_region(backward_statement, models)
+        owners = {p.model for p in found.pairs} | {p.optimizer for p in found.pairs}
+        found.batch = self.batch(found.region, models, owners | self.scalers())
+        found.hoisted = self.hoistable(found.region, owners)
+        found.after = self.next_batch_fetches(found.region, found.batch)
+        if found.after:  # what only the fetch reads (a step counter) is not the batch
+            kept = [s for s in found.region if s not in found.after]
+            found.batch = self.batch(kept, models, owners | self.scalers())
+        found.lines["forward"] = self.line(found.region[0])
+        container = self.enclosing(found.region[0], _LOOPS + (cst.FunctionDef,))
+        fresh = set(self._bound_before(container, found.region[0]))
+        if isinstance(container, cst.FunctionDef):
+            # names a function binds itself, anywhere in it, are its own (locals)
+            fresh |= {n for s in collect(container.body, cst.CSTNode)
+                      if isinstance(s, cst.SimpleStatementLine) for n in self._written(s)}
+        taken = {n.value for n in self.nodes(cst.Name)}
+        for name in found.batch:
+            if name not in fresh:
+                new = f"{name}_part"
+                while new in taken:
+                    new += "_"
+                found.renames[name] = new
+        for statement in found.region:
+            if statement in found.after:
+                continue
+            rebound = set(self._written(statement)) & set(found.renames)
+            if rebound:
+                name = sorted(rebound)[0]
+                raise NotFound("batch", f"line {self.line(statement)}: `{name}` (the batch) is "
+                               "assigned again between the forward and the backward; its "
+                               "micro-batches are named apart, so the next step would read "
+                               "the same batch again")
 
 
 class ScriptNotUnderstood(Exception):
-    ORDER = ("optimizer", "model", "forward", "backward", "step", "batch")
+    ORDER = ("optimizer", "model", "backward", "step")
 
     def __init__(self, filename: str, problems: dict[str, str]):
         self.problems = problems
