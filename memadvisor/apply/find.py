@@ -1,20 +1,28 @@
-"""Find what the rewrite needs in a training script: model, optimizer, forward, backward,
-step and the batch.  Pure syntax (libcst); nothing is imported or run.
+"""Find what the rewrite needs in a training script: each model and its optimizer, the
+backward calls, the steps, and (to split the batch) the forward..backward region and the
+batch.  Pure syntax (libcst); nothing is imported or run.
 
 What is looked for, and the comment that marks it when the search fails:
 
 =========  ==================================================  ===========================
 what       found as                                            mark with
 =========  ==================================================  ===========================
-optimizer  ``NAME = torch.optim.<Class>(...)`` (any ``optim.``)  ``# memadvisor: optimizer``
-model      ``X`` in ``X.parameters()`` given to the optimizer   ``# memadvisor: model``
-backward   the one ``<loss>.backward()`` statement              (one per script)
-step       ``<optimizer>.step()``                               (same name as the optimizer)
-forward    first statement calling the model, in the block      ``# memadvisor: forward``
+optimizer  every stepped optimizer (find_calls.py)             ``# memadvisor: optimizer``
+model      what each optimizer's parameters come from          ``# memadvisor: model``
+backward   ``<loss>.backward()``, ``<scaler>.scale(<loss>)``     (one per step to split)
+           ``.backward()``
+step       ``<optimizer>.step([closure])``,                    (same name as the optimizer)
+           ``<scaler>.step(<optimizer>)``
+forward    first statement calling a model, in the block       ``# memadvisor: forward``
            that holds the backward
 batch      variables the forward..backward statements read      ``# memadvisor: batch``
-           as data, bound in the loop (or function) before them
+           as data, bound in the loop (or function, or the
+           scopes around a closure) before them
 =========  ==================================================  ===========================
+
+The batch can only be split (accum, data parallel) around one forward..backward; with
+several backward calls (a GAN) or no region found, ``Found.split_refusal`` says why, and
+only plans that do not split the batch are rewritten.
 """
 from __future__ import annotations
 

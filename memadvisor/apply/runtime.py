@@ -14,7 +14,6 @@ import atexit
 import contextlib
 import gc
 import importlib.util
-import inspect
 import sys
 import warnings
 
@@ -84,7 +83,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
 
     Called once per (model, optimizer) pair; a model prepared before (given again as what
     prepare returned) is not wrapped twice.  ``methods``: the model's own methods the script
-    calls besides ``forward`` (forwarded through the wrapper, see ``_forward_methods``).
+    calls besides ``forward`` (forwarded through the wrapper, see
+    ``sharding.forward_methods``).
     """
     global _session, _owns_process_group
     plan = plan if isinstance(plan, Plan) else Plan.parse(plan)
@@ -111,6 +111,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
     names_by_id = {id(p): name for name, p in model.named_parameters()}
     parameter_names = _parameter_names(optimizer, names_by_id, type(model).__name__)
     optimizers.check_rebuildable(optimizer, plan)
+    optimizers.check_shardable(optimizer, plan)
 
     if sharding.init_process_group(device_type, ranks):
         _owns_process_group = True
@@ -125,7 +126,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
     blocks = repeated_blocks(checkpointing.module_entries(module)) if plan.uses_fsdp else []
     wrapped = sharding.wrap_model(module, plan, device_type, blocks)
     checks.watch_wrapper(wrapped, evidence)
-    _forward_methods(module, wrapped, plan, methods)
+    sharding.forward_methods(module, wrapped, plan, methods)
 
     new_params = dict(module.named_parameters())
     shard_group = sharding.optimizer_shard_group(plan) if plan.shard == "zero1" else None
@@ -158,6 +159,7 @@ def _prepare_another_optimizer(earlier: Session, optimizer):
     parameter_names = _parameter_names(optimizer, earlier.names_by_id,
                                        type(earlier.module).__name__)
     optimizers.check_rebuildable(optimizer, plan)
+    optimizers.check_shardable(optimizer, plan)
     shard_group = sharding.optimizer_shard_group(plan) if plan.shard == "zero1" else None
     new_optimizer = optimizers.build_optimizer(optimizer, plan, dict(earlier.module.named_parameters()),
                                                earlier.names_by_id, shard_group)
@@ -166,43 +168,6 @@ def _prepare_another_optimizer(earlier: Session, optimizer):
                        earlier.names_by_id)
     _sessions.append(_session)
     return earlier.model, new_optimizer
-
-
-def _forward_methods(module: nn.Module, wrapped: nn.Module, plan: Plan, methods) -> None:
-    """Make ``model.<method>(...)`` work on what prepare returns (VAE's ``decode``):
-    FSDP2 gathers the parameters around methods registered with
-    ``register_fsdp_forward_method``; a DDP wrapper forwards them to the module, outside
-    DDP's gradient sync, so only without gradients in training mode."""
-    for name in methods:
-        attribute = inspect.getattr_static(type(module), name, None)
-        if attribute is None or not callable(attribute):
-            submodule = getattr(module, name, None)
-            if isinstance(submodule, nn.Module) and plan.uses_fsdp:
-                from torch.distributed.fsdp import FSDPModule
-                if not isinstance(submodule, FSDPModule):
-                    raise PlanError(
-                        f"shard={plan.shard}: the script calls model.{name}(...) directly, a "
-                        "submodule whose parameters are sharded with the model's and gathered "
-                        "only inside model(...); call it through the model's forward")
-            continue
-        if plan.uses_fsdp:
-            from torch.distributed.fsdp import register_fsdp_forward_method
-            register_fsdp_forward_method(module, name)
-        elif wrapped is not module and not hasattr(wrapped, name):
-            setattr(wrapped, name, _outside_sync(module, name, plan))
-
-
-def _outside_sync(module: nn.Module, name: str, plan: Plan):
-    method = getattr(module, name)
-
-    def forwarded(*args, **kwargs):
-        if torch.is_grad_enabled() and module.training:
-            raise PlanError(f"shard={plan.shard}: model.{name}(...) ran with gradients in "
-                            "training mode; under DistributedDataParallel only model(...) "
-                            "all-reduces gradients: call it under torch.no_grad() or from "
-                            "the model's forward")
-        return method(*args, **kwargs)
-    return forwarded
 
 
 def _describe(session: Session, device_type: str, blocks: list[str]) -> str:

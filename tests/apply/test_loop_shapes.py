@@ -294,3 +294,12 @@ def test_an_ema_copy_of_sharded_parameters_is_refused_under_fsdp_only():
                                            r"model.parameters\(\)\)` updates another copy"):
         rewrite_source(source, Plan.parse("shard=zero3,world=2"), "s.py")
     rewrite_source(source, Plan.parse("shard=ddp,world=2"), "s.py")  # DDP: plain tensors
+
+
+def test_whole_vector_optimizers_are_refused_under_sharding(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Linear(2, 1)
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(PlanError, match="shard=zero2: LBFGS treats all parameters as one "
+                                        "vector"):
+        mem.prepare(model, lbfgs, plan="shard=zero2,world=2")
