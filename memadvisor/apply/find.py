@@ -396,6 +396,10 @@ class ScriptFinder(TrainingCalls):
                 return None
 
         chosen = attempt("optimizer", self.optimizers) or []
+        if any(not opaque for *_, opaque in chosen):
+            # something else stepped (a warmup wrapper, an environment) whose model cannot
+            # be told is not an optimizer when real ones were found
+            chosen = [c for c in chosen if not c[3] or self._has_model(c[0], c[2])]
         pairs, steps = [], []
         for statement, optimizer, value, opaque in chosen:
             model = attempt("model", self.model, statement, value, len(chosen) == 1)
@@ -429,6 +433,13 @@ class ScriptFinder(TrainingCalls):
             found.split_refusal = str(exc)
             found.block, found.region, found.hoisted, found.after = None, [], [], []
         return found
+
+    def _has_model(self, statement, value) -> bool:
+        try:
+            self.model(statement, value, False)
+        except NotFound:
+            return False
+        return True
 
     def _code(self, node) -> str:
         return self.module.code_for_node(node).strip()

@@ -82,6 +82,11 @@ class TrainingCalls:
                     known.append((statement, text, value, False))
                 elif any(same_object(s, text) for s in stepped):
                     opaque.append((statement, text, value, True))
+        # an object made from an optimizer (a warmup or scheduler wrapper) is not another one
+        known_names = {text for _, text, _, _ in known}
+        opaque = [c for c in opaque if not any(
+            same_object(dotted(n), k) for n in collect(c[2], (cst.Name, cst.Attribute))
+            for k in known_names)]
         chosen = marked or known + opaque
         if not chosen:
             manual = any(isinstance(s, cst.AugAssign) and isinstance(s.target, cst.Name)

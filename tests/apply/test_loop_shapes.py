@@ -303,3 +303,19 @@ def test_whole_vector_optimizers_are_refused_under_sharding(monkeypatch):
     with pytest.raises(PlanError, match="shard=zero2: LBFGS treats all parameters as one "
                                         "vector"):
         mem.prepare(model, lbfgs, plan="shard=zero2,world=2")
+
+
+def test_other_stepped_objects_beside_a_real_optimizer_are_left_alone():
+    source = script("""
+        import torch
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        warmup = make_warmup(optimizer, 10)
+        for x in data:
+            loss = model(x).sum()
+            loss.backward()
+            optimizer.step()
+            warmup.step()
+        """)
+    rewrite = rewrite_source(source, Plan.parse("accum=2"), "s.py")
+    assert rewrite.found["optimizer"] == "optimizer" and "warmup.step()" in rewrite.code
