@@ -11,8 +11,20 @@ The edits, and nothing else::
     mem.clip_grad_norm_(...)                  # was torch.nn.utils.clip_grad_norm_(...)
     mem.step(optimizer)                       # was optimizer.step()
 
+Besides: one ``prepare`` per (model, optimizer) pair (a GAN has two, no micro-batch loop when
+a step has several backward calls); a script's GradScaler is handed over
+(``mem.backward(loss, scaler=scaler)``, ``mem.step(optimizer, scaler=scaler)``,
+``mem.unscale_(optimizer, scaler=scaler)``); ``optimizer.step(closure)`` becomes
+``mem.step(optimizer, closure)``; the next batch fetched between forward and backward
+(nanoGPT) runs after the micro-batch loop; ``methods=[...]`` on ``prepare`` names the model's
+own methods the script calls after it (``model.decode``).
+
 The structure does not depend on the plan (the plan is one string literal), so switching
 plans changes one line, and a script rewritten before only gets its plan literal replaced.
+A plan the script's shape cannot take (accumulation inside a closure, splitting a batch
+read by several backward calls, an EMA copy of FSDP-sharded parameters) is refused here,
+naming the knob and the line (``plan_refusal``), both when rewriting and when replacing the
+plan literal.
 """
 from __future__ import annotations
 

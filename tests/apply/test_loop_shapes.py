@@ -319,3 +319,31 @@ def test_other_stepped_objects_beside_a_real_optimizer_are_left_alone():
         """)
     rewrite = rewrite_source(source, Plan.parse("accum=2"), "s.py")
     assert rewrite.found["optimizer"] == "optimizer" and "warmup.step()" in rewrite.code
+
+
+def test_a_rewritten_script_whose_knob_misses_stops_with_its_name(tmp_path):
+    """The script trains through its own method (``model.loss``), not ``model(...)``: the
+    plan's autocast (around forward) never runs, so the rewritten script stops before the
+    first step instead of training in fp32 and exiting 0."""
+    path = write(tmp_path, "method.py", """
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = nn.Linear(3, 1)
+
+            def loss(self, x):
+                return self.layer(x).pow(2).mean()
+
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in torch.randn(2, 4, 3):
+            loss = model.loss(x)
+            loss.backward()
+            optimizer.step()
+        """)
+    with pytest.raises(PlanError, match=r"precision=amp-bf16 did not take effect: Net's "
+                                        r"forward never ran under autocast"):
+        run_applied(path, "precision=amp-bf16", [], tmp_path)
