@@ -347,3 +347,50 @@ def test_a_rewritten_script_whose_knob_misses_stops_with_its_name(tmp_path):
     with pytest.raises(PlanError, match=r"precision=amp-bf16 did not take effect: Net's "
                                         r"forward never ran under autocast"):
         run_applied(path, "precision=amp-bf16", [], tmp_path)
+
+
+DECODER = """
+    import torch
+    from torch import nn
+
+    class AutoEncoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(6, 2)
+            self.dec = nn.Linear(2, 6)
+
+        def decode(self, z):
+            return torch.sigmoid(self.dec(z))
+
+        def forward(self, x):
+            return self.decode(torch.tanh(self.enc(x)))
+
+    torch.manual_seed(0)
+    model = AutoEncoder()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x in torch.rand(3, 8, 6):
+        loss = nn.functional.mse_loss(model(x), x)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            sample = model.decode(torch.randn(4, 2))
+    print("sample", tuple(sample.shape))
+"""
+
+
+@pytest.mark.slow
+def test_closures_and_model_methods_on_two_ranks(tmp_path):
+    """LBFGS under DDP: each rank's closure loss is averaged over the ranks, so LBFGS makes
+    the single process's decisions; ``model.decode`` after FSDP2 (zero2) is gathered by
+    ``register_fsdp_forward_method``.  Both end where the unmodified run ends."""
+    from apply_runs import run_distributed
+    lbfgs = write(tmp_path, "lbfgs.py", LBFGS)
+    decoder = write(tmp_path, "decoder.py", DECODER)
+    ranks = run_distributed([(lbfgs, "shard=ddp,world=2", []),
+                             (decoder, "shard=zero2,world=2", [])], 2, tmp_path)
+    for params, path in zip(ranks, (lbfgs, decoder)):
+        reference = run_original(path, [])
+        assert len(params) == len(reference)
+        for a, b in zip(params, reference):
+            assert torch.allclose(a, b, atol=1e-5), path.name
