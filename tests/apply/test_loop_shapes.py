@@ -394,3 +394,16 @@ def test_closures_and_model_methods_on_two_ranks(tmp_path):
         assert len(params) == len(reference)
         for a, b in zip(params, reference):
             assert torch.allclose(a, b, atol=1e-5), path.name
+
+
+def test_switching_a_rewritten_script_to_a_plan_its_shape_cannot_take_is_refused(tmp_path):
+    lbfgs = rewrite_source(script(LBFGS), Plan.parse("precision=amp-bf16"), "l.py").code
+    with pytest.raises(RewriteError, match=r"cannot switch l.py to plan accum=2: accum=2: "
+                                           r"line 18: `mem.step\(optimizer, closure\)`"):
+        rewrite_source(lbfgs, Plan.parse("accum=2"), "l.py")
+    gan = rewrite_source(script(GAN), Plan.parse("precision=amp-bf16"), "g.py").code
+    with pytest.raises(RewriteError, match=r"shard=ddp,world=2 \(each rank takes a slice of "
+                                           r"the batch\): the batch cannot be split: it was "
+                                           r"rewritten without a micro-batch loop"):
+        rewrite_source(gan, Plan.parse("shard=ddp,world=2"), "g.py")
+    assert rewrite_source(gan, Plan.parse("precision=bf16"), "g.py").updated_plan_only
