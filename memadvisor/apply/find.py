@@ -84,6 +84,8 @@ class Found:
     #: under new names, or the next pass would split the previous pass's last part
     renames: dict[str, str] = field(default_factory=dict)
     split_refusal: str | None = None
+    #: why the batch cannot be accumulated in micro-batches though it can be sliced per rank
+    accum_refusal: str | None = None
     closure_steps: list[str] = field(default_factory=list)  #: 'line N: `opt.step(closure)`'
     shadow_copies: list[str] = field(default_factory=list)  #: see TrainingCalls.shadow_copies
     lines: dict[str, int] = field(default_factory=dict)  #: what -> line, for the report
@@ -423,9 +425,14 @@ class ScriptFinder(TrainingCalls):
                        "backward": self.line(backwards[0].expr), "step": self.line(steps[0].expr)}
         if len(backwards) > 1:
             lines = ", ".join(str(self.line(b.expr)) for b in backwards)
-            found.split_refusal = (f"{len(backwards)} `.backward()` calls (lines {lines}); "
-                                   "memadvisor splits the batch around one forward..backward "
-                                   "per step")
+            several = f"{len(backwards)} `.backward()` calls (lines {lines})"
+            found.accum_refusal = (f"{several} per iteration, each optimizer stepped between "
+                                   "them; memadvisor accumulates micro-batches around one "
+                                   "forward..backward per step")
+            try:
+                self._find_iteration(found)
+            except NotFound as exc:
+                found.split_refusal = f"{several}: {exc}"
             return found
         try:
             self._find_region(found)
@@ -433,6 +440,33 @@ class ScriptFinder(TrainingCalls):
             found.split_refusal = str(exc)
             found.block, found.region, found.hoisted, found.after = None, [], [], []
         return found
+
+    def _find_iteration(self, found: Found) -> None:
+        """Several backward calls per iteration (a GAN): the batch is still sliced per rank
+        once per iteration, at its source: the for loop's target, around the loop body up to
+        the last backward (one part per rank: the body runs once, steps included)."""
+        statements = [self.statement_of(b.expr) for b in found.backwards]
+        loops = {self.enclosing(s, _LOOPS + _SCOPES) for s in statements}
+        loop = loops.pop() if len(loops) == 1 else None
+        if not isinstance(loop, cst.For) or not isinstance(loop.body, cst.IndentedBlock):
+            raise NotFound("forward", "they are not all in one `for` loop over the batches")
+        node = max(statements, key=self.order.get)
+        while self.parents[node] is not loop.body:
+            node = self.parents[node]
+        body = list(loop.body.body)
+        region = body[: body.index(node) + 1]
+        for statement in region:
+            for jump in collect(statement, (cst.Break, cst.Continue)):
+                if self.enclosing(jump, _LOOPS) is loop:
+                    raise NotFound("forward", f"line {self.line(jump)}: `break`/`continue` "
+                                   "before the last backward would act on the per-rank loop")
+        used = [n for s in region for n in self.data_names(s)]
+        batch = [n for n in dict.fromkeys(used) if n in bound_names(loop.target)]
+        if not batch:
+            raise NotFound("batch", f"the loop at line {self.line(loop)} does not hand out the "
+                           "batch (its target is not read as data before the last backward)")
+        found.block, found.region, found.batch = loop.body, region, batch
+        found.lines["forward"] = self.line(region[0])
 
     def _has_model(self, statement, value) -> bool:
         try:

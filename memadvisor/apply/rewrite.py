@@ -82,7 +82,8 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
         found = finder.find()
     except ScriptNotUnderstood as exc:
         raise RewriteError(str(exc)) from None
-    refusal = plan_refusal(plan, found.split_refusal, found.closure_steps, found.shadow_copies)
+    refusal = plan_refusal(plan, found.split_refusal, found.closure_steps, found.shadow_copies,
+                           found.accum_refusal)
     if refusal:
         raise RewriteError(f"cannot rewrite {filename} for plan {plan}: {refusal} "
                            "(nothing was written or run)")
@@ -95,8 +96,10 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
 
 
 def plan_refusal(plan: Plan, split_refusal: str | None, closure_steps: list[str],
-                 shadow_copies: list[str] = ()) -> str | None:
+                 shadow_copies: list[str] = (), accum_refusal: str | None = None) -> str | None:
     """Why ``plan`` cannot run on this script's shape, naming the knob (None: it can)."""
+    if plan.accum > 1 and accum_refusal:
+        return f"accum={plan.accum}: {accum_refusal}"
     if plan.uses_fsdp and shadow_copies:
         return (f"shard={plan.shard}: {shadow_copies[0]} updates another copy of the model "
                 "from its parameters (an EMA or target network); FSDP shards those parameters "
@@ -349,8 +352,12 @@ def _rewritten_refusal(finder: ScriptFinder, plan: Plan) -> str | None:
     splits = any(name.endswith(".micro_batches") for name, _ in calls)
     closures = [f"line {finder.line(c)}: `{finder.module.code_for_node(c)}`" for name, c in calls
                 if name.endswith(".step") and len([a for a in c.args if a.keyword is None]) > 1]
+    backwards = [c for name, c in calls if name.endswith(".backward") and name != "torch.autograd.backward"]
+    several = (f"{len(backwards)} backward calls (lines "
+               f"{', '.join(str(finder.line(c)) for c in backwards)}) per iteration"
+               if len(backwards) > 1 else None)
     return plan_refusal(plan, None if splits else "it was rewritten without a micro-batch loop",
-                        closures, finder.shadow_copies(_prepared_models(finder)))
+                        closures, finder.shadow_copies(_prepared_models(finder)), several)
 
 
 def _prepared_models(finder: ScriptFinder) -> list[str]:

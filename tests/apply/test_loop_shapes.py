@@ -166,14 +166,15 @@ GAN = """
     bce = nn.BCEWithLogitsLoss()
     for real in torch.randn(3, 8, 3):
         netD.zero_grad()
-        errD_real = bce(netD(real), torch.ones(8, 1))
+        n = real.size(0)
+        errD_real = bce(netD(real), torch.ones(n, 1))
         errD_real.backward()
-        fake = netG(torch.randn(8, 2))
-        errD_fake = bce(netD(fake.detach()), torch.zeros(8, 1))
+        fake = netG(torch.randn(n, 2))
+        errD_fake = bce(netD(fake.detach()), torch.zeros(n, 1))
         errD_fake.backward()
         optD.step()
         netG.zero_grad()
-        errG = bce(netD(fake), torch.ones(8, 1))
+        errG = bce(netD(fake), torch.ones(n, 1))
         errG.backward()
         optG.step()
 """
@@ -185,9 +186,14 @@ def test_every_model_optimizer_pair_is_prepared_and_split_plans_are_refused(tmp_
     assert 'netD, optD = mem.prepare(netD, optD, plan="precision=amp-bf16")' in code
     assert 'netG, optG = mem.prepare(netG, optG, plan="precision=amp-bf16")' in code
     assert "mem.step(optD)" in code and "mem.step(optG)" in code
-    with pytest.raises(RewriteError, match=r"accum=2: the batch cannot be split: 3 "
-                                           r"`.backward\(\)` calls \(lines 12, 15, 19\)"):
+    with pytest.raises(RewriteError, match=r"accum=2: 3 `.backward\(\)` calls \(lines 13, 16, "
+                                           r"20\) per iteration, each optimizer stepped"):
         rewrite_source(path.read_text(), Plan.parse("accum=2"), "gan.py")
+    # across ranks the batch is sliced at its source, once per iteration, steps included
+    ddp = rewrite_source(path.read_text(), Plan.parse("shard=ddp,world=2"), "gan.py").code
+    assert "for real in torch.randn(3, 8, 3):\n    for real in mem.micro_batches(real):\n" \
+           "        netD.zero_grad()\n" in ddp
+    assert "        mem.backward(errG)\n    mem.step(optG)\n" in ddp
     applied = run_applied(path, "precision=amp-bf16", [], tmp_path)
     reference = run_original(path, [])  # the last optimizer stepped: the generator's
     assert len(applied) == 8
@@ -387,8 +393,15 @@ def test_closures_and_model_methods_on_two_ranks(tmp_path):
     from apply_runs import run_distributed
     lbfgs = write(tmp_path, "lbfgs.py", LBFGS)
     decoder = write(tmp_path, "decoder.py", DECODER)
+    gan = write(tmp_path, "gan.py", GAN)
     ranks = run_distributed([(lbfgs, "shard=ddp,world=2", []),
-                             (decoder, "shard=zero2,world=2", [])], 2, tmp_path)
+                             (decoder, "shard=zero2,world=2", []),
+                             (gan, "shard=ddp,world=2", [])], 2, tmp_path)
+    # the GAN draws its noise per rank (n = the rank's slice): trained, not equal
+    gan_params, gan_reference = ranks[2], run_original(gan, [])
+    assert len(gan_params) == 8
+    assert all(torch.isfinite(p).all() for p in gan_params)
+    assert any(not torch.equal(a, b) for a, b in zip(gan_params[4:], gan_reference))
     for params, path in zip(ranks, (lbfgs, decoder)):
         reference = run_original(path, [])
         assert len(params) == len(reference)
@@ -402,8 +415,10 @@ def test_switching_a_rewritten_script_to_a_plan_its_shape_cannot_take_is_refused
                                            r"line 18: `mem.step\(optimizer, closure\)`"):
         rewrite_source(lbfgs, Plan.parse("accum=2"), "l.py")
     gan = rewrite_source(script(GAN), Plan.parse("precision=amp-bf16"), "g.py").code
-    with pytest.raises(RewriteError, match=r"shard=ddp,world=2 \(each rank takes a slice of "
-                                           r"the batch\): the batch cannot be split: it was "
-                                           r"rewritten without a micro-batch loop"):
-        rewrite_source(gan, Plan.parse("shard=ddp,world=2"), "g.py")
-    assert rewrite_source(gan, Plan.parse("precision=bf16"), "g.py").updated_plan_only
+    with pytest.raises(RewriteError, match=r"accum=2: 3 backward calls \(lines 17, 20, 24\) "
+                                           r"per iteration"):
+        rewrite_source(gan, Plan.parse("accum=2"), "g.py")
+    assert rewrite_source(gan, Plan.parse("shard=ddp,world=2"), "g.py").updated_plan_only
+    one_backward = rewrite_source(script(LBFGS).replace("LBFGS(", "SGD(").replace(
+        "max_iter=3", "momentum=0.0"), Plan.parse("precision=bf16"), "s.py").code
+    assert "mem.micro_batches" in one_backward
