@@ -100,6 +100,11 @@ def plan_refusal(plan: Plan, split_refusal: str | None, closure_steps: list[str]
     """Why ``plan`` cannot run on this script's shape, naming the knob (None: it can)."""
     if plan.accum > 1 and accum_refusal:
         return f"accum={plan.accum}: {accum_refusal}"
+    if plan.uses_fsdp and accum_refusal:
+        return (f"shard={plan.shard}: {accum_refusal.split(' per iteration')[0]} per "
+                "iteration: a model forwarded several times between its optimizer's steps "
+                "(a GAN's discriminator) is not sharded by memadvisor, whose check of FSDP's "
+                "memory signature assumes one forward..backward per step; use shard=ddp")
     if plan.uses_fsdp and shadow_copies:
         return (f"shard={plan.shard}: {shadow_copies[0]} updates another copy of the model "
                 "from its parameters (an EMA or target network); FSDP shards those parameters "

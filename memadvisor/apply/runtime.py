@@ -48,6 +48,7 @@ class Session:
         self.micro_batches_per_step = 1
         self.unscaled = False  #: GradScaler.unscale_ already ran since the last step
         self.checked = False  #: the knobs were checked (before this optimizer's first step)
+        self.last_step = -1  #: when this optimizer last stepped (a process-wide count)
         self.backwards = 0  #: backward calls since the last step
         self.weighted_backwards = 0  #: of which inside micro_batches (loss scaled 1/accum)
 
@@ -280,6 +281,7 @@ def step(optimizer: torch.optim.Optimizer, *args, scaler=None, **kwargs):
             for each in _sessions:
                 each.unscaled = False
     session.unscaled = False
+    session.last_step = 1 + max(each.last_step for each in _sessions)
     for each in _sessions:
         if each.optimizer is optimizer or each.model is session.model:
             each.backwards = each.weighted_backwards = 0
@@ -369,17 +371,15 @@ def finish(save_parameters: str | None = None, destroy_process_group: bool = Tru
     sessions, _session = list(_sessions), None
     _sessions.clear()
     if sessions and save_parameters:
-        params, seen = {}, set()
-        for index, session in enumerate(sessions):
-            prefix = "" if len(sessions) == 1 else f"{index}."
-            for name, value in session.full_parameters().items():
-                key = (id(session.module), name)
-                if key not in seen:
-                    seen.add(key)
-                    params[prefix + name] = value
+        # names/tensors: the optimizer stepped last (what a run is compared by, as with one
+        # optimizer); every session's under "sessions"
+        every = [session.full_parameters() for session in sessions]
+        last = max(range(len(sessions)), key=lambda i: sessions[i].last_step)
         if sessions[0].ranks.rank == 0:
-            torch.save({"plan": str(sessions[0].plan), "names": list(params),
-                        "tensors": list(params.values())}, save_parameters)
+            torch.save({"plan": str(sessions[0].plan), "names": list(every[last]),
+                        "tensors": list(every[last].values()),
+                        "sessions": [{"names": list(p), "tensors": list(p.values())}
+                                     for p in every]}, save_parameters)
     del sessions
     if destroy_process_group and _owns_process_group and dist.is_initialized():
         # DDP and ZeroRedundancyOptimizer objects still alive when the group goes away
