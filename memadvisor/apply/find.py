@@ -32,10 +32,9 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .find_calls import TrainingCalls
-
-from .syntax import (  # noqa: F401  (dotted, collect: used by rewrite)
-    LOOPS as _LOOPS, MARKER, OPTIM_CALL as _OPTIM_CALL, SCOPES as _SCOPES, TORCH_OPTIMIZERS,
-    NotFound, bound_names, collect, dotted, last_part as _last, same_object as _same_object,
+from .syntax import (  # noqa: F401  (dotted: used by rewrite)
+    LOOPS as _LOOPS, MARKER, SCOPES as _SCOPES, NotFound, bound_names, collect, dotted,
+    last_part as _last, same_object as _same_object,
 )
 
 
