@@ -14,7 +14,7 @@ in one process or under torchrun.  See docs/APPLY.md.
 """
 from .runtime import (  # noqa: F401
     backward, clip_grad_norm_, clip_grad_value_, current_session, finish, micro_batches,
-    prepare, step, unwrap,
+    prepare, step, unscale_, unwrap,
 )
 from .sharding import select_local_device as _select_local_device
 

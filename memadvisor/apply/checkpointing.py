@@ -21,21 +21,30 @@ def module_entries(model: nn.Module) -> list[ModuleEntry]:
             for path, m in model.named_modules()]
 
 
-def apply_checkpointing(model: nn.Module, plan: Plan) -> list[str]:
-    """Wrap the modules the plan selects; returns their paths ('' is the whole model)."""
+def apply_checkpointing(model: nn.Module, plan: Plan, evidence=None) -> list[str]:
+    """Wrap the modules the plan selects; returns their paths ('' is the whole model).
+    ``evidence`` (checks.Evidence) counts checkpointed calls and the runs of their forwards,
+    so the recomputes in backward can be checked before the first step."""
     paths = resolve_checkpoint(plan, module_entries(model))
     modules = dict(model.named_modules())
     for path in paths:
         module = modules[path]
-        module.forward = _checkpointed(module.forward)
+        module.forward = _checkpointed(module.forward, evidence)
     return paths
 
 
-def _checkpointed(forward):
+def _checkpointed(forward, evidence=None):
+    def counted(*args, **kwargs):
+        if evidence is not None:
+            evidence.checkpointed_runs += 1
+        return forward(*args, **kwargs)
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if evidence is not None:
+            evidence.checkpointed_forwards += 1
+        return checkpoint(counted, *args, use_reentrant=False, **kwargs)
 
     return run

@@ -58,6 +58,21 @@ def needs_rebuild(plan: Plan) -> bool:
             or "optimizer" in plan.offload)
 
 
+#: optimizers whose step treats every parameter as one flat vector (LBFGS's dot products and
+#: ``grad.view(-1)``): sharded parameters (FSDP's DTensors) break it, and a sharded optimizer
+#: (zero1) would compute its directions per shard, which is different math
+WHOLE_VECTOR_OPTIMIZERS = (torch.optim.LBFGS,)
+
+
+def check_shardable(original: torch.optim.Optimizer, plan: Plan) -> None:
+    if plan.optimizer == "keep" and isinstance(original, WHOLE_VECTOR_OPTIMIZERS) and (
+            plan.uses_fsdp or plan.shard == "zero1"):
+        raise PlanError(f"shard={plan.shard}: {type(original).__name__} treats all parameters "
+                        "as one vector (flattened gradients, dot products over the whole model), "
+                        "which sharding parameters or optimizer state across ranks breaks; "
+                        "use shard=ddp")
+
+
 def check_rebuildable(original: torch.optim.Optimizer, plan: Plan) -> None:
     if needs_rebuild(plan) and any(original.state.values()):
         raise PlanError("the optimizer already has state (was a checkpoint loaded before "

@@ -26,7 +26,7 @@ def cast_parameters(model: nn.Module, plan: Plan) -> None:
         model.to(torch.bfloat16)
 
 
-def wrap_forward(model: nn.Module, plan: Plan, device_type: str) -> bool:
+def wrap_forward(model: nn.Module, plan: Plan, device_type: str, evidence=None) -> bool:
     """Run the root module's forward under autocast and/or ``save_on_cpu``; returns whether
     anything was wrapped.  Floating outputs come back as fp32 under autocast.
 
@@ -51,6 +51,8 @@ def wrap_forward(model: nn.Module, plan: Plan, device_type: str) -> bool:
                     pin_memory=True, device_type=device_type))
             if dtype is not None:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                if evidence is not None and torch.is_autocast_enabled(device_type):
+                    evidence.autocast_forwards += 1  # checked before the first step
             output = forward(*args, **kwargs)
         return _to_dtype(output, torch.float32) if dtype is not None else output
 

@@ -11,8 +11,20 @@ The edits, and nothing else::
     mem.clip_grad_norm_(...)                  # was torch.nn.utils.clip_grad_norm_(...)
     mem.step(optimizer)                       # was optimizer.step()
 
+Besides: one ``prepare`` per (model, optimizer) pair (a GAN has two, no micro-batch loop when
+a step has several backward calls); a script's GradScaler is handed over
+(``mem.backward(loss, scaler=scaler)``, ``mem.step(optimizer, scaler=scaler)``,
+``mem.unscale_(optimizer, scaler=scaler)``); ``optimizer.step(closure)`` becomes
+``mem.step(optimizer, closure)``; the next batch fetched between forward and backward
+(nanoGPT) runs after the micro-batch loop; ``methods=[...]`` on ``prepare`` names the model's
+own methods the script calls after it (``model.decode``).
+
 The structure does not depend on the plan (the plan is one string literal), so switching
 plans changes one line, and a script rewritten before only gets its plan literal replaced.
+A plan the script's shape cannot take (accumulation inside a closure, splitting a batch
+read by several backward calls, an EMA copy of FSDP-sharded parameters) is refused here,
+naming the knob and the line (``plan_refusal``), both when rewriting and when replacing the
+plan literal.
 """
 from __future__ import annotations
 
@@ -64,17 +76,51 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
     finder = ScriptFinder(module, filename)
     existing = _existing_prepare(finder)
     if existing is not None:
+        refusal = _rewritten_refusal(finder, plan)
+        if refusal:
+            raise RewriteError(f"cannot switch {filename} to plan {plan}: {refusal}; rewrite "
+                               "the original script instead (nothing was written or run)")
         return _update_plan(module, source, plan, existing)
     try:
         found = finder.find()
     except ScriptNotUnderstood as exc:
         raise RewriteError(str(exc)) from None
+    refusal = plan_refusal(plan, found.split_refusal, found.closure_steps, found.shadow_copies,
+                           found.accum_refusal)
+    if refusal:
+        raise RewriteError(f"cannot rewrite {filename} for plan {plan}: {refusal} "
+                           "(nothing was written or run)")
     alias = _free_alias(finder)
     new_module = finder.module.visit(
         _Editor(found, plan, alias, _import_anchor(finder.module), finder.parents))
     return Rewrite(source, new_module.code, plan, found={
         "model": found.model, "optimizer": found.optimizer, "batch": ", ".join(found.batch),
         **{k: f"line {v}" for k, v in found.lines.items()}})
+
+
+def plan_refusal(plan: Plan, split_refusal: str | None, closure_steps: list[str],
+                 shadow_copies: list[str] = (), accum_refusal: str | None = None) -> str | None:
+    """Why ``plan`` cannot run on this script's shape, naming the knob (None: it can)."""
+    if plan.accum > 1 and accum_refusal:
+        return f"accum={plan.accum}: {accum_refusal}"
+    if plan.uses_fsdp and accum_refusal:
+        return (f"shard={plan.shard}: {accum_refusal.split(' per iteration')[0]} per "
+                "iteration: a model forwarded several times between its optimizer's steps "
+                "(a GAN's discriminator) is not sharded by memadvisor, whose check of FSDP's "
+                "memory signature assumes one forward..backward per step; use shard=ddp")
+    if plan.uses_fsdp and shadow_copies:
+        return (f"shard={plan.shard}: {shadow_copies[0]} updates another copy of the model "
+                "from its parameters (an EMA or target network); FSDP shards those parameters "
+                "into DTensors, which cannot be mixed with the copy's plain tensors")
+    if plan.accum > 1 and closure_steps:
+        return (f"accum={plan.accum}: {closure_steps[0]} evaluates the loss inside the closure, "
+                "which the optimizer may call several times per step (LBFGS re-evaluates it "
+                "in its line search); accumulation cannot split micro-batches inside it")
+    if split_refusal and (plan.accum > 1 or plan.world > 1):
+        knob = (f"accum={plan.accum}" if plan.accum > 1 else
+                f"shard={plan.shard},world={plan.world} (each rank takes a slice of the batch)")
+        return f"{knob}: the batch cannot be split: {split_refusal}"
+    return None
 
 
 # --- the edits ----------------------------------------------------------------------------
@@ -90,9 +136,17 @@ class _Editor(cst.CSTTransformer):
         self.alias = alias
         self.plan_literal = _string_literal(str(plan))
         self.import_anchor = import_anchor
-        self.steps = {id(e) for e in found.steps}
+        self.backwards = {id(b.expr): b for b in found.backwards}
+        self.steps = {id(s.expr): s for s in (*found.steps, *found.unscales)}
+        self.unscales = {id(s.expr) for s in found.unscales}
+        self.prepares: dict[int, list] = {}
+        for pair in found.pairs:
+            self.prepares.setdefault(id(pair.statement), []).append(pair)
         self.clips = {id(c) for c in found.clips}
-        self.region = {id(s) for s in found.region}
+        after = {id(s) for s in found.after}
+        self.region = {id(s) for s in found.region if id(s) not in after}
+        self.region_start = id(found.region[0]) if found.region else None
+        self.after = after
         self.hoisted = {id(s) for s in found.hoisted}
         self.indents: dict = {}  #: block -> its absolute indentation
         self._depth: list[str] = []
@@ -126,16 +180,31 @@ class _Editor(cst.CSTTransformer):
         return updated.with_changes(value=new)
 
     def leave_Expr(self, original, updated):
-        if original is self.found.backward:
+        backward = self.backwards.get(id(original))
+        if backward is not None:
+            # ``loss.backward(...)`` -> ``mem.backward(loss, ...)``; a script's GradScaler is
+            # handed over, not applied here: the runtime knows if the plan brings its own
             call = updated.value
-            loss = call.func.value
+            receiver = call.func.value
+            loss = receiver.args[0].value if backward.scaler is not None else receiver
             args = [cst.Arg(loss), *call.args]
+            if backward.scaler is not None:
+                args.append(_keyword("scaler", receiver.func.value))
             return updated.with_changes(value=cst.Call(
                 func=self._runtime("backward"), args=_commas(args)))
-        if id(original) in self.steps:
-            optimizer = updated.value.func.value
+        step = self.steps.get(id(original))
+        if step is not None:
+            call = updated.value
+            if step.scaler is None:
+                optimizer, rest = call.func.value, list(call.args)
+            else:
+                optimizer, rest = call.args[0].value, list(call.args[1:])
+            args = [cst.Arg(optimizer), *rest]
+            if step.scaler is not None:
+                args.append(_keyword("scaler", call.func.value))
+            name = "unscale_" if id(original) in self.unscales else "step"
             return updated.with_changes(value=cst.Call(
-                func=self._runtime("step"), args=[cst.Arg(optimizer)]))
+                func=self._runtime(name), args=_commas(args)))
         return updated
 
     def leave_Call(self, original, updated):
@@ -162,29 +231,34 @@ class _Editor(cst.CSTTransformer):
         index = 0
         while index < len(pairs):
             old, new = pairs[index]
-            if id(old) in self.region:
+            if id(old) == self.region_start:
                 count = len(self.found.region)
-                body.extend(self._micro_batch_loop([n for _, n in pairs[index: index + count]],
-                                                   [o for o, _ in pairs[index: index + count]]))
+                olds = [o for o, _ in pairs[index: index + count]]
+                news = [n for _, n in pairs[index: index + count]]
+                inside = [(o, n) for o, n in zip(olds, news) if id(o) not in self.after]
+                body.extend(self._micro_batch_loop([n for _, n in inside], [o for o, _ in inside]))
+                # the next batch is fetched once per step, after the micro-batches
+                body.extend(n for o, n in zip(olds, news) if id(o) in self.after)
                 index += count
                 continue
             body.append(new)
             if old is self.import_anchor:
                 body.append(_statement(f"import {RUNTIME_MODULE} as {self.alias}\n"))
-            if old is self.found.optimizer_statement:
-                body.append(self._prepare_statement(len(self._indent_of(original))))
+            for pair in self.prepares.get(id(old), ()):
+                body.append(self._prepare_statement(pair, len(self._indent_of(original))))
             index += 1
         if isinstance(original, cst.Module) and self.import_anchor is None:
             body.insert(0, _statement(f"import {RUNTIME_MODULE} as {self.alias}\n"))
         return body
 
-    def _prepare_statement(self, indent: int) -> cst.SimpleStatementLine:
-        model, optimizer = self.found.model, self.found.optimizer
-        call = f"{self.alias}.prepare({model}, {optimizer}, plan={self.plan_literal})"
+    def _prepare_statement(self, pair, indent: int) -> cst.SimpleStatementLine:
+        model, optimizer = pair.model, pair.optimizer
+        methods = f", methods={pair.methods!r}" if pair.methods else ""
+        call = f"{self.alias}.prepare({model}, {optimizer}, plan={self.plan_literal}{methods})"
         line = f"{model}, {optimizer} = {call}\n"
         if indent + len(line) > MAX_LINE:  # the way black would wrap it
             line = (f"{model}, {optimizer} = {self.alias}.prepare(\n"
-                    f"    {model}, {optimizer}, plan={self.plan_literal}\n)\n")
+                    f"    {model}, {optimizer}, plan={self.plan_literal}{methods}\n)\n")
         return _statement(line)
 
     def _indent_of(self, block) -> str:
@@ -215,6 +289,11 @@ class _Editor(cst.CSTTransformer):
             hoisted[0] = hoisted[0].with_changes(leading_lines=lead)
             return [*hoisted, loop]
         return [loop.with_changes(leading_lines=lead)]
+
+
+def _keyword(name: str, value) -> cst.Arg:
+    return cst.Arg(value, keyword=cst.Name(name), equal=cst.AssignEqual(
+        whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
 
 
 def _commas(args: list[cst.Arg]) -> list[cst.Arg]:
@@ -271,6 +350,27 @@ def _existing_prepare(finder: ScriptFinder):
                 if arg.keyword is not None and arg.keyword.value == "plan":
                     return arg
     return None
+
+
+def _rewritten_refusal(finder: ScriptFinder, plan: Plan) -> str | None:
+    """The shape refusals of ``plan_refusal`` read back from a script rewritten before: no
+    micro-batch loop means the rewrite found no one region to split; a runtime step given
+    more than the optimizer steps with a closure."""
+    calls = [(dotted(c.func) or "", c) for c in finder.nodes(cst.Call)]
+    splits = any(name.endswith(".micro_batches") for name, _ in calls)
+    closures = [f"line {finder.line(c)}: `{finder.module.code_for_node(c)}`" for name, c in calls
+                if name.endswith(".step") and len([a for a in c.args if a.keyword is None]) > 1]
+    backwards = [c for name, c in calls if name.endswith(".backward") and name != "torch.autograd.backward"]
+    several = (f"{len(backwards)} backward calls (lines "
+               f"{', '.join(str(finder.line(c)) for c in backwards)}) per iteration"
+               if len(backwards) > 1 else None)
+    return plan_refusal(plan, None if splits else "it was rewritten without a micro-batch loop",
+                        closures, finder.shadow_copies(_prepared_models(finder)), several)
+
+
+def _prepared_models(finder: ScriptFinder) -> list[str]:
+    return [dotted(c.args[0].value) or "" for c in finder.nodes(cst.Call)
+            if (dotted(c.func) or "").endswith(".prepare") and c.args]
 
 
 class _PlanReplacer(cst.CSTTransformer):

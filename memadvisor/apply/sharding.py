@@ -19,6 +19,7 @@ The process group is created here when the script did not: gloo on CPU, nccl on 
 """
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -137,3 +138,40 @@ def convert_batch_norm(model: nn.Module, plan: Plan, device_type: str) -> tuple[
         return model, ""
     return model, ("the model has BatchNorm layers and " + "; ".join(why) +
                    ": training is close to, not equal to, the unmodified run")
+
+
+def forward_methods(module: nn.Module, wrapped: nn.Module, plan: Plan, methods) -> None:
+    """Make ``model.<method>(...)`` work on what prepare returns (VAE's ``decode``):
+    FSDP2 gathers the parameters around methods registered with
+    ``register_fsdp_forward_method``; a DDP wrapper forwards them to the module, outside
+    DDP's gradient sync, so only without gradients in training mode."""
+    for name in methods:
+        attribute = inspect.getattr_static(type(module), name, None)
+        if attribute is None or not callable(attribute):
+            submodule = getattr(module, name, None)
+            if isinstance(submodule, nn.Module) and plan.uses_fsdp:
+                from torch.distributed.fsdp import FSDPModule
+                if not isinstance(submodule, FSDPModule):
+                    raise PlanError(
+                        f"shard={plan.shard}: the script calls model.{name}(...) directly, a "
+                        "submodule whose parameters are sharded with the model's and gathered "
+                        "only inside model(...); call it through the model's forward")
+            continue
+        if plan.uses_fsdp:
+            from torch.distributed.fsdp import register_fsdp_forward_method
+            register_fsdp_forward_method(module, name)
+        elif wrapped is not module and not hasattr(wrapped, name):
+            setattr(wrapped, name, outside_sync(module, name, plan))
+
+
+def outside_sync(module: nn.Module, name: str, plan: Plan):
+    method = getattr(module, name)
+
+    def forwarded(*args, **kwargs):
+        if torch.is_grad_enabled() and module.training:
+            raise PlanError(f"shard={plan.shard}: model.{name}(...) ran with gradients in "
+                            "training mode; under DistributedDataParallel only model(...) "
+                            "all-reduces gradients: call it under torch.no_grad() or from "
+                            "the model's forward")
+        return method(*args, **kwargs)
+    return forwarded

@@ -60,9 +60,12 @@ def test_without_prepare_the_calls_are_the_plain_ones():
     assert list(mem.micro_batches(x)) == [x]
     assert list(mem.micro_batches(x, 5)) == [(x, 5)]
     mem.backward(model(x).sum())
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 4.0))
+    # but a step without prepare means the plan was never applied (issue 13): it stops
     before = model.weight.detach().clone()
-    mem.step(optimizer)
-    assert torch.allclose(model.weight, before - 0.1 * 4)
+    with pytest.raises(PlanError, match="mem.prepare never ran"):
+        mem.step(optimizer)
+    assert torch.equal(model.weight, before)
 
 
 def test_prepare_refuses_what_this_process_cannot_run(monkeypatch):
