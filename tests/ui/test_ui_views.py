@@ -133,8 +133,9 @@ def test_plan_table_is_ranked_and_matches_the_simulator(board, ui_model_trace):
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, key=lambda f: f != "yes")  # fitting plans first
     fitting = [r for r in rows if r["fits"] == "yes"]
-    factors = [round(r["step_time_factor"], 3) for r in fitting]
-    assert factors == sorted(factors)
+    # ranked as advise ranks by default: GPU-time per step (step time x the plan's GPUs)
+    costs = [round(r["step_time_factor"] * Plan.parse(r["plan"]).world, 3) for r in fitting]
+    assert costs == sorted(costs)
     assert all(r["peak_bytes"] <= budget for r in fitting)
     # the same ranking as `memadvisor advise`, and each row what `simulate` predicts
     trace = read_trace(ui_model_trace)
