@@ -62,7 +62,8 @@ CELLS = ("profile", "advise", "accum", "zero2")
 EXACT_TOLERANCE, DIVERGED = 1e-4, 0.5
 SHARDED_FRACTION = 0.75  # a rank holding more than this share of the parameter bytes is unsharded
 COMMAND_TIMEOUT_S = 420
-DATE = "2026-11-23"
+#: the day the results were produced (kept in --json files, read back by --from-json)
+DATE = time.strftime("%Y-%m-%d", time.gmtime())
 MACHINE = "2-core CPU container (x86_64, shared with other jobs), torch 2.13.0+cpu, Python 3.11"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.",
                     "_fsdp_wrapped_module.", "_forward_module.", "model.")
@@ -450,6 +451,20 @@ def _matches(pattern):
 #: EXCLUSIVE classes, when they hold, explain the whole cell (what else it shows follows
 #: from them); "other" takes the rest.
 CLASSES = [
+    ("framework-fsdp-needs-a-gpu",
+     _matches(r"needs CUDA GPUs and this machine has none"),
+     "the HF Trainer, Lightning and accelerate realise FSDP only on CUDA GPUs (with "
+     "`use_cpu=True` the Trainer trains plain DDP, Lightning's `FSDPStrategy` requires a CUDA "
+     "accelerator, accelerate with `cpu=True` ignores its FSDP plugin): apply refuses zero2 "
+     "before launch on a machine without one, naming the framework; not yet run on a GPU"),
+    ("refused-by-design",
+     _matches(r"re-evaluates it|an EMA or target network|calls \(lines [\d, ]+\) per iteration|"
+              r"trains without it"),
+     "plans whose meaning apply cannot keep for this code, refused before anything runs and "
+     "naming the line: accumulation inside an LBFGS closure (the optimizer re-evaluates it), "
+     "accumulation across a GAN's interleaved backward/step pairs, FSDP with an EMA copy "
+     "updated from the sharded parameters, a training loop whose default branch updates "
+     "parameters by hand"),
     ("framework-loops",
      lambda truth, c, text: truth["framework"] != "raw" and _apply_cell(c),
      "apply knows one loop shape: a `torch.optim` optimizer assigned in the script, "
@@ -513,7 +528,8 @@ CLASSES = [
      "the applied run trained differently from the unmodified run"),
 ]
 OTHER = ("other", "no class above (see the cell)")
-EXCLUSIVE = ("framework-loops", "plan-silently-not-applied")
+EXCLUSIVE = ("framework-fsdp-needs-a-gpu", "refused-by-design", "framework-loops",
+             "plan-silently-not-applied")
 
 
 def classify(rows: list[dict]) -> list[dict]:
@@ -640,6 +656,8 @@ def main() -> int:
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         rows, origin = saved["rows"], saved["provenance"]
+        global DATE
+        DATE = saved.get("date", DATE)
         command = args.command or saved["command"]
     else:
         scripts = zoo_scripts()
@@ -658,7 +676,7 @@ def main() -> int:
                 shutil.rmtree(root, ignore_errors=True)
         if args.json:
             args.json.write_text(json.dumps({"rows": rows, "provenance": origin,
-                                             "command": command}, indent=1))
+                                             "command": command, "date": DATE}, indent=1))
     classes = classify(rows)
     print(plain_table(rows))
     for rank, c in enumerate(classes, 1):
