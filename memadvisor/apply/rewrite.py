@@ -74,6 +74,10 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
     if frameworks.detect(module, filename) is not None:
         return frameworks.rewrite(module, source, plan, filename)
     finder = ScriptFinder(module, filename)
+    scheduler = scheduler_refusal(finder, plan)
+    if scheduler:
+        raise RewriteError(f"cannot rewrite {filename} for plan {plan}: {scheduler} "
+                           "(nothing was written or run)")
     existing = _existing_prepare(finder)
     if existing is not None:
         refusal = _rewritten_refusal(finder, plan)
@@ -349,6 +353,36 @@ def _existing_prepare(finder: ScriptFinder):
             for arg in call.args:
                 if arg.keyword is not None and arg.keyword.value == "plan":
                     return arg
+    return None
+
+
+#: LR schedulers that also cycle the optimizer's momentum (or Adam's beta1) unless told not to
+_MOMENTUM_CYCLING = ("OneCycleLR", "CyclicLR")
+#: swapped-in optimizers with no momentum to cycle: SGD's is 0 (cycling turns it on, adding
+#: momentum buffers the plan did not predict), Adafactor has neither momentum nor betas
+#: (the scheduler raises at construction)
+_NO_MOMENTUM = {"sgd": "turns momentum on for the plain SGD the plan swaps in (a change of "
+                       "training and a momentum buffer per parameter the plan did not predict)",
+                "adafactor": "fails at construction with Adafactor, which has no momentum "
+                             "or betas to cycle"}
+
+
+def scheduler_refusal(finder: ScriptFinder, plan: Plan) -> str | None:
+    """An optimizer swap the script's LR scheduler cannot run with, naming its line."""
+    why = _NO_MOMENTUM.get(plan.optimizer)
+    if why is None:
+        return None
+    for call in finder.nodes(cst.Call):
+        name = dotted(call.func) or ""
+        if not name.endswith(_MOMENTUM_CYCLING):
+            continue
+        cycling = next((a.value for a in call.args if a.keyword is not None
+                        and a.keyword.value == "cycle_momentum"), None)
+        if isinstance(cycling, cst.Name) and cycling.value == "False":
+            continue
+        return (f"optimizer={plan.optimizer}: line {finder.line(call)}: "
+                f"`{name.rsplit('.', 1)[-1]}` cycles momentum (cycle_momentum is on), which "
+                f"{why}; pass cycle_momentum=False there or keep the optimizer")
     return None
 
 

@@ -435,3 +435,31 @@ def test_several_backward_calls_refuse_fsdp_and_save_the_last_stepped_model(tmp_
     assert saved["names"] == saved["sessions"][1]["names"]  # optG stepped last
     assert all(torch.equal(a, b) for a, b in zip(saved["tensors"],
                                                  saved["sessions"][1]["tensors"]))
+
+
+def test_an_optimizer_swap_the_schedulers_momentum_cycling_cannot_run_is_refused():
+    from memadvisor.apply.rewrite import RewriteError, rewrite_source
+    from memadvisor.plan import Plan
+    script = (
+        "import torch\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+        "scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=10)\n"
+        "for _ in range(3):\n"
+        "    x, y = torch.randn(8, 4), torch.randn(8, 1)\n"
+        "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n"
+        "    scheduler.step()\n"
+        "    optimizer.zero_grad()\n")
+    for swap in ("sgd", "adafactor"):
+        try:
+            rewrite_source(script, Plan.parse(f"optimizer={swap}"))
+        except RewriteError as exc:
+            assert f"optimizer={swap}: line 4: `OneCycleLR` cycles momentum" in str(exc)
+        else:
+            raise AssertionError(f"optimizer={swap} was not refused")
+    # momentum to cycle, or cycling switched off: the swap is fine
+    rewrite_source(script, Plan.parse("optimizer=sgd-momentum"))
+    off = script.replace("total_steps=10)", "total_steps=10, cycle_momentum=False)")
+    rewrite_source(off, Plan.parse("optimizer=adafactor"))
