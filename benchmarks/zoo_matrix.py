@@ -65,9 +65,6 @@ COMMAND_TIMEOUT_S = 420
 #: the day the results were produced (kept in --json files, read back by --from-json)
 DATE = time.strftime("%Y-%m-%d", time.gmtime())
 MACHINE = "2-core CPU container (x86_64, shared with other jobs), torch 2.13.0+cpu, Python 3.11"
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.",
-                    "_fsdp_wrapped_module.", "_forward_module.", "model.")
-
 
 # --- running commands ----------------------------------------------------------------------
 def memadvisor(*args: str, cwd: Path, timeout_s: float = COMMAND_TIMEOUT_S) -> dict:
@@ -178,13 +175,13 @@ def run_reference(script: ZooScript, folder: Path) -> dict:
 
 
 def _normalise(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-        name = name.replace("._checkpoint_wrapped_module", "").replace("._fsdp_wrapped_module", "")
+    """A parameter's name without the wrappers a plan adds (DDP's ``module.``, FSDP's and
+    checkpointing's wrapped modules, torch.compile's ``_orig_mod.``: the runtime's own
+    rule) nor the LightningModule's ``model.`` attribute."""
+    from memadvisor.apply.frameworks.probe import user_parameter_name
+    name = user_parameter_name(name)
+    while name.startswith("model."):
+        name = user_parameter_name(name[len("model."):])
     return name
 
 

@@ -305,11 +305,11 @@ def full_parameters(root: nn.Module) -> dict[str, torch.Tensor]:
             value = parameter.detach()
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
-            result[_user_name(name)] = value.cpu().clone()
+            result[user_parameter_name(name)] = value.cpu().clone()
     return result
 
 
-def _user_name(name: str) -> str:
+def user_parameter_name(name: str) -> str:
     for part in WRAPPER_PARTS:
         name = name.replace(part, "")
     changed = True
