@@ -139,10 +139,34 @@ class ProfileSession:
             self.mode.__enter__()
         self._last_progress = time.monotonic()
         if self.timeout_s:
+            self._arm_timeout_signal()
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                               name="memadvisor-timeout")
             self._watchdog.start()
         return self
+
+    def _arm_timeout_signal(self) -> None:
+        """The watchdog interrupts the main thread with a signal of its own, SIGVTALRM
+        (no one's timer here), whose handler raises KeyboardInterrupt: SIGINT would do
+        nothing where it is ignored, as it is for every command a non-interactive shell
+        starts in the background (`cmd &`, nohup), and the profiler would wait forever."""
+        self._timeout_signal = signal.SIGINT
+        self._saved_timeout_handler = None
+        if threading.current_thread() is not threading.main_thread() or \
+                not hasattr(signal, "SIGVTALRM"):
+            return
+
+        def timed_out(signum, frame):
+            raise KeyboardInterrupt("memadvisor: step timeout")
+
+        self._saved_timeout_handler = signal.signal(signal.SIGVTALRM, timed_out)
+        self._timeout_signal = signal.SIGVTALRM
+
+    def _disarm_timeout_signal(self) -> None:
+        if getattr(self, "_saved_timeout_handler", None) is not None and \
+                threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGVTALRM, self._saved_timeout_handler)
+            self._saved_timeout_handler = None
 
     def _choose_engine(self) -> tuple[str, str]:
         """The native engine follows CPU memory only (c10's CPU allocator): with a GPU
@@ -307,6 +331,7 @@ class ProfileSession:
             handle.remove()
         self._stack = []
         self.timeout_s = None  # stops the watchdog
+        self._disarm_timeout_signal()
         if self._backward_since_forward and self._counting_backward():
             self._boundary(self._backward_boundaries)  # the script ended after its last step
         self._mark_model_state()
@@ -557,7 +582,8 @@ class ProfileSession:
                 self._timed_out = True
                 # a signal, not interrupt_main(): it also wakes a main thread blocked in
                 # one C call (sleep, a queue, a hung collective)
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                signal.pthread_kill(threading.main_thread().ident,
+                                    getattr(self, "_timeout_signal", signal.SIGINT))
                 return
 
     @property
