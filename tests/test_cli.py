@@ -79,9 +79,12 @@ def _interrupted(out_dir: Path) -> Run:
     argv = ["profile", str(SCRIPTS / "until_converged.py"), "-o", str(trace_path),
             "--steps", "0", "-q"]
     started = time.perf_counter()
+    # Ctrl-C as a terminal delivers it: SIGINT at its default even where this test run
+    # inherited it ignored (a background job of a non-interactive shell, runuser)
     process = subprocess.Popen([sys.executable, "-m", "memadvisor.cli", *argv], cwd=REPO_ROOT,
                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               text=True, preexec_fn=lambda: signal.signal(
+                                   signal.SIGINT, signal.SIG_DFL))
     # the script prints (flushed) every 100 steps: once a line arrives it is in its loop,
     # past torch's import, so the signal lands in the training loop (~4 s on an idle box)
     first_line = process.stdout.readline()
