@@ -79,5 +79,15 @@ def main(argv=None) -> int:
     return result if isinstance(result, int) else 0
 
 
+def console_main() -> None:
+    """The ``memadvisor`` command: ``main``, then an exit no late Ctrl-C can turn into a
+    traceback (the work is done; a user still pressing Ctrl-C wants it to end)."""
+    code = main()
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

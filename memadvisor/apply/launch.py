@@ -36,6 +36,8 @@ class LaunchRequest:
     profile_steps: int = 3
     save_parameters: Path | None = None  #: full parameters after the run (rank 0 writes)
     steps: int | None = None  #: stop after this many optimizer steps (None: the script's end)
+    #: end a process that makes no optimizer step for this long (None: never; watchdog.py)
+    timeout_s: float | None = None
 
     @property
     def in_process(self) -> bool:
@@ -48,24 +50,31 @@ def run(request: LaunchRequest) -> int:
     refuse_before_launch(request.script)  # a framework script's plan this machine cannot run
     if request.in_process:
         return run_in_process(request.script, request.args, request.profile,
-                              request.profile_steps, request.save_parameters, request.steps)
+                              request.profile_steps, request.save_parameters, request.steps,
+                              request.timeout_s)
     return run_torchrun(request)
 
 
 # --- one process ----------------------------------------------------------------------------
 def run_in_process(script: Path, args: list[str], profile: Path | None = None,
                    profile_steps: int = 3, save_parameters: Path | None = None,
-                   steps: int | None = None) -> int:
+                   steps: int | None = None, timeout_s: float | None = None) -> int:
+    import contextlib
+
     from . import runtime
     from .frameworks import probe as frameworks
     from .steps import stop_after
+    from .watchdog import ProgressWatchdog, end_the_rank
     completed = False
+    watchdog = ProgressWatchdog(timeout_s, end_the_rank) if timeout_s else \
+        contextlib.nullcontext()
     try:
-        if profile is not None:
-            _profile(script, args, profile, steps or profile_steps)
-        else:
-            with stop_after(steps):
-                run_script(script, args)
+        with watchdog:
+            if profile is not None:
+                _profile(script, args, profile, steps or profile_steps)
+            else:
+                with stop_after(steps):
+                    run_script(script, args)
         completed = True
     finally:
         runtime.finish(save_parameters=str(save_parameters) if save_parameters and completed
@@ -142,6 +151,8 @@ def torchrun_argv(request: LaunchRequest) -> list[str]:
         argv += ["--save-parameters", str(request.save_parameters)]
     if request.steps:
         argv += ["--steps", str(request.steps)]
+    if request.timeout_s:
+        argv += ["--timeout", f"{request.timeout_s:g}"]
     return argv + ["--", str(request.script), *request.args]
 
 
@@ -172,6 +183,7 @@ def nodes_of(launcher_args: list[str]) -> int | None:
 
 
 def run_torchrun(request: LaunchRequest) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun
 
@@ -184,6 +196,11 @@ def run_torchrun(request: LaunchRequest) -> int:
         torchrun(args)
     except ChildFailedError as exc:
         raise UserError(describe_failure(exc), exit_code=_exit_code(exc)) from None
+    except SignalException as exc:  # Ctrl-C or SIGTERM: torchrun has stopped the ranks
+        import signal
+        name = signal.Signals(exc.sigval).name
+        raise UserError(f"interrupted by {name}; the ranks were stopped",
+                        exit_code=128 + int(exc.sigval)) from None
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
@@ -205,7 +222,9 @@ def _message(failure) -> str:
 def describe_failure(exc) -> str:
     """One line naming the rank that failed first (with its own message when it left one)."""
     failures = exc.failures
-    explained = {rank: f for rank, f in failures.items() if f.error_file_data.get("message")}
+    # torch elastic fills a missing error file with the placeholder '<NONE>'
+    explained = {rank: f for rank, f in failures.items()
+                 if f.error_file_data.get("message") not in (None, "", "<NONE>")}
     pool = explained or failures
     rank, failure = min(pool.items(), key=lambda item: (item[1].timestamp, item[0]))
     message = _message(failure)

@@ -22,6 +22,7 @@ def parse(argv):
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--save-parameters", type=Path)
     parser.add_argument("--steps", type=int)
+    parser.add_argument("--timeout", type=float)
     parser.add_argument("script", type=Path)
     parser.add_argument("args", nargs=argparse.REMAINDER)
     if "--" in argv:
@@ -63,7 +64,10 @@ def main(argv=None) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         launch.run_in_process(options.script, options.args, options.profile,
-                              options.profile_steps, options.save_parameters, options.steps)
+                              options.profile_steps, options.save_parameters, options.steps,
+                              options.timeout)
+    except KeyboardInterrupt:  # the launcher passes on a Ctrl-C: it says so, once
+        return 130
     except UserError as exc:
         print(f"[rank{rank}] memadvisor: error: {exc}", file=sys.stderr, flush=True)
         handler.record_exception(exc)

@@ -26,6 +26,10 @@ class _SplitAtDoubleDash(click.Command):
         return super().parse_args(ctx, args)
 
 
+#: a rank with no optimizer step for this long is stuck (gloo's default collective timeout)
+DEFAULT_RANK_TIMEOUT_S = 1800.0
+
+
 @click.command(cls=_SplitAtDoubleDash, context_settings={"ignore_unknown_options": True},
                short_help="Rewrite a script to use a plan and run it.")
 @click.argument("script", type=click.Path(path_type=Path))
@@ -45,6 +49,10 @@ class _SplitAtDoubleDash(click.Command):
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help="Stop after this many optimizer steps (each optimizer's; with --profile "
                    "also the steps profiled) [default: the script's own end].")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None,
+              help="End the run when a process makes no optimizer step for this many "
+                   "seconds, naming where it is stuck (0: never) [default: 1800 on several "
+                   "processes, as gloo's collective timeout; never in one process].")
 @click.option("--save-parameters", type=click.Path(path_type=Path), metavar="FILE",
               help="After the run, save the full parameters (torch.save) to compare runs.")
 @click.option("-q", "--quiet", is_flag=True, help="Do not print the diff.")
@@ -52,7 +60,7 @@ class _SplitAtDoubleDash(click.Command):
                 metavar="[TORCHRUN OPTIONS]... [-- SCRIPT ARGS...]")
 @click.pass_context
 def command(ctx, script, plan_text, output, in_place, dry_run, no_run, nproc, profile_path,
-            profile_steps, steps, save_parameters, quiet, launcher_args):
+            profile_steps, steps, timeout_s, save_parameters, quiet, launcher_args):
     """Rewrite SCRIPT to use PLAN (a diff is printed), write it beside SCRIPT, and run it:
     in this process, or with torchrun on --nproc processes.  Arguments after -- go to the
     script; other unknown options before -- go to torchrun."""
@@ -86,7 +94,14 @@ def command(ctx, script, plan_text, output, in_place, dry_run, no_run, nproc, pr
     return launch.run(launch.LaunchRequest(
         script=destination.path, args=ctx.meta.get("script_args", []), nproc=nproc,
         launcher_args=launcher_args, profile=profile_path, profile_steps=profile_steps,
-        save_parameters=save_parameters, steps=steps))
+        save_parameters=save_parameters, steps=steps,
+        timeout_s=_timeout(timeout_s, nproc, launcher_args)))
+
+
+def _timeout(timeout_s: float | None, nproc: int, launcher_args: list[str]) -> float | None:
+    if timeout_s is None:
+        return None if nproc == 1 and not launcher_args else DEFAULT_RANK_TIMEOUT_S
+    return timeout_s or None
 
 
 def _read_script(script: Path) -> str:

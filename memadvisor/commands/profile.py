@@ -75,10 +75,18 @@ def command(script, script_args, output, steps, timeout_s, step_boundary, engine
     result = profile_script(script, list(script_args), output, steps=steps or None,
                             timeout_s=timeout_s, step_boundary=step_boundary,
                             on_step=None if quiet else _progress, engine=engine,
-                            probes=not no_probes)
+                            probes=not no_probes, exit_when_stop_swallowed=True)
     sys.stdout.flush()
     where = f"{result.trace_path} ({result.events:,} events, {result.steps_completed} steps, " \
             f"peak {format_bytes(result.peak_bytes)})"
+    if result.write_error:  # the script's own outcome first: it is what the user must fix
+        if result.status != "completed":
+            click.echo(f"memadvisor: the script's run: {result.status}: {result.error}",
+                       err=True)
+            if result.traceback:
+                click.echo(result.traceback.rstrip(), err=True)
+        click.echo(f"memadvisor: error: {result.write_error}", err=True)
+        return result.exit_code
     if result.status == "completed":
         click.echo(f"memadvisor: wrote {where}", err=True)
         return 0

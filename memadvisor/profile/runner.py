@@ -18,6 +18,9 @@ from pathlib import Path
 from ..errors import UserError
 from ..trace.analysis import live_bytes
 from ..trace.io import write_trace
+from .checkpoint import Checkpoint
+from .crash import CrashWitness as _CrashWitness, SignalsHeld as _SignalsHeld, \
+    give_children_sigterm, real_exit, stop_giving_children_sigterm
 from .session import ProfileSession, StopProfiling
 
 EXIT_SCRIPT_ERROR = 1
@@ -35,6 +38,7 @@ class ProfileResult:
     peak_bytes: int
     error: str = ""
     traceback: str = ""
+    write_error: str = ""  #: the trace could not be written (and what was kept instead)
 
 
 def rank_output_path(output: str | os.PathLike) -> Path:
@@ -87,6 +91,7 @@ class _ScriptContext:
         if _in_main_thread():
             # SIGTERM (a scheduler, torchrun tearing down) behaves like Ctrl-C: trace kept
             self._sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+            give_children_sigterm(_raise_interrupt, self._sigterm)
         return module.__dict__
 
     def __exit__(self, *exc):
@@ -97,6 +102,7 @@ class _ScriptContext:
             sys.modules["__main__"] = self._main
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
+            stop_giving_children_sigterm()
 
 
 def _in_main_thread() -> bool:
@@ -136,14 +142,20 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
                    output: str | os.PathLike = "memadvisor.trace", *, steps: int | None = 3,
                    timeout_s: float | None = None, step_boundary: str = "auto",
                    on_step=None, engine: str | None = None,
-                   probes: bool = True, extension=None) -> ProfileResult:
+                   probes: bool = True, extension=None,
+                   exit_when_stop_swallowed: bool = False) -> ProfileResult:
     """Profile ``script`` for ``steps`` steps and write the trace (always).
 
     ``extension`` (fake execution's, ``fake_run.FakeProfile``) adapts the run to another
     execution: ``session_options()`` (extra ProfileSession arguments), ``attach(session)``
     before the script runs, ``explain(status, error, exc)`` -> (error, traceback) for a
     run that did not complete, ``finish(meta)`` before the trace is written, and
-    ``output_path(output)`` instead of the per-rank name."""
+    ``output_path(output)`` instead of the per-rank name.
+
+    A script that catches the stop after the requested steps (a bare ``except:``) and runs
+    on is stopped again at its next forward or optimizer step; with
+    ``exit_when_stop_swallowed`` (the ``profile`` command) the trace is written there and
+    the process ends with status 0 -- a ``while True`` loop would otherwise never end."""
     script = Path(script)
     args = list(args or [])
     code = _compile_script(script)
@@ -160,42 +172,47 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
                              script=str(script.resolve()), on_step=on_step, **options)
     if extension:
         extension.attach(session)
-    status, exit_code, error, tb = "completed", 0, "", ""
-    with _ScriptContext(script, args) as namespace:
+    checkpoint = None
+    if extension is None:  # (fake execution writes from a child its parent watches)
+        checkpoint = session.checkpoint = Checkpoint(Path(output), str(script), args)
+    held = _SignalsHeld(output)
+    if exit_when_stop_swallowed:
+        def end_the_run() -> None:
+            held.hold()
+            _, meta, write_error = _write_final(session, extension, output, script, args,
+                                                "completed", "")
+            steps = meta.steps_completed if meta else 0
+            print(f"memadvisor: the script caught the stop after its {steps} steps (a bare "
+                  f"`except:`?) and ran on; " + (
+                      f"wrote {output}, ending it" if not write_error else
+                      f"could not write {output} ({write_error})"), file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            real_exit(0 if not write_error else EXIT_SCRIPT_ERROR)
+        session.on_stop_swallowed = end_the_run
+    with _ScriptContext(script, args) as namespace, _CrashWitness(session, script, args, output):
+        outcome: BaseException | None = None
         try:
             with session:
                 exec(code, namespace)
-        except StopProfiling:
-            pass
-        except SystemExit as exc:
-            code_value = exc.code
-            if code_value not in (None, 0):
-                status, error = "error", f"the script called sys.exit({code_value!r})"
-                exit_code = code_value if isinstance(code_value, int) else EXIT_SCRIPT_ERROR
-        except KeyboardInterrupt as exc:
-            if session.timed_out:
-                done = len(session.boundaries()[1])
-                status, exit_code = "timeout", EXIT_TIMEOUT
-                error = (f"no step completed within {timeout_s:g} s "
-                         f"(after {done} step{'s' if done != 1 else ''})")
-            else:
-                status, exit_code, error = "interrupted", EXIT_INTERRUPTED, "interrupted"
-            if extension:
-                error, tb = extension.explain(status, error, exc)
-            del exc
-        except BaseException as exc:  # the script's own error: keep the trace, report it
-            status, exit_code = "error", EXIT_SCRIPT_ERROR
-            error, tb = _one_line(exc), _user_traceback(exc)
-            if extension:
-                error, tb = extension.explain(status, error, exc)
+        except BaseException as exc:
+            # first: a second Ctrl-C (or SIGTERM) from here on must not lose the trace
+            held.hold()
+            outcome = exc
             del exc
         finally:
-            session.close()
-            table, meta = session.build(script=str(script), args=args, status=status,
-                                        error=error)
-            if extension:
-                extension.finish(meta)
-            write_trace(output, table, meta)
+            held.hold()
+            try:
+                status, exit_code, error, tb = _outcome(outcome, session, timeout_s, extension)
+                outcome = None
+                table, meta, write_error = _write_final(
+                    session, extension, output, script, args, status, error)
+            finally:
+                held.release()
+    if write_error:
+        return ProfileResult(trace_path=output, status=status, exit_code=exit_code or 1,
+                             steps_completed=checkpoint.written_steps if checkpoint else 0,
+                             events=0, peak_bytes=0, error=error, traceback=tb,
+                             write_error=_kept_message(write_error, output, checkpoint))
     # the peak as every reader of the trace counts it (storages alive before recording
     # included), so the line profile prints agrees with `summary`
     live = live_bytes(table.select(["size_bytes", "action"]).to_pandas())
@@ -203,3 +220,55 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
                          steps_completed=meta.steps_completed, events=table.num_rows,
                          peak_bytes=int(live.max()) if len(live) else 0, error=error,
                          traceback=tb)
+
+
+def _outcome(exc: BaseException | None, session, timeout_s, extension):
+    """How the script's run ended -> (status, exit code, one-line error, traceback)."""
+    if exc is None or isinstance(exc, StopProfiling):
+        return "completed", 0, "", ""
+    if isinstance(exc, SystemExit):
+        if exc.code in (None, 0):
+            return "completed", 0, "", ""
+        exit_code = exc.code if isinstance(exc.code, int) else EXIT_SCRIPT_ERROR
+        return "error", exit_code, f"the script called sys.exit({exc.code!r})", ""
+    tb = ""
+    if isinstance(exc, KeyboardInterrupt):
+        if session.timed_out:
+            done = len(session.boundaries()[1])
+            status, exit_code = "timeout", EXIT_TIMEOUT
+            error = (f"no step completed within {timeout_s:g} s "
+                     f"(after {done} step{'s' if done != 1 else ''})")
+        else:
+            status, exit_code, error = "interrupted", EXIT_INTERRUPTED, "interrupted"
+    else:  # the script's own error: keep the trace, report it
+        status, exit_code = "error", EXIT_SCRIPT_ERROR
+        error, tb = _one_line(exc), _user_traceback(exc)
+    if extension:
+        error, tb = extension.explain(status, error, exc)
+    return status, exit_code, error, tb
+
+
+def _write_final(session, extension, output, script, args, status, error):
+    """Close the session and write the trace; -> (table, meta, "") or (None, None, why it
+    could not be written) -- after a MemoryError, pyarrow may not even start a thread."""
+    try:
+        session.close()
+        # probes measure kernels after the run: not worth a wait after a Ctrl-C
+        table, meta = session.build(script=str(script), args=args, status=status,
+                                    error=error, probes=status not in ("interrupted", "timeout"))
+        if extension:
+            extension.finish(meta)
+        write_trace(output, table, meta)
+        return table, meta, ""
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the script's own outcome must still be told
+        return None, None, _one_line(exc)
+
+
+def _kept_message(write_error: str, output: Path, checkpoint) -> str:
+    if checkpoint is not None and checkpoint.written_steps:
+        steps = checkpoint.written_steps
+        return (f"could not write the final trace ({write_error}); {output} holds the trace "
+                f"as of step {steps}, written during the run")
+    return f"could not write the trace to {output} ({write_error}); nothing was kept"

@@ -73,6 +73,11 @@ class ProfileSession:
         self.step_boundary = step_boundary
         self.timeout_s = timeout_s
         self.on_step = on_step
+        #: called with the session at each step boundary kept (checkpoint.Checkpoint:
+        #: writes the trace so far, so a run that dies without closing leaves its steps)
+        self.checkpoint: Callable[["ProfileSession"], None] | None = None
+        #: called when the script runs on after StopProfiling (a bare ``except:``)
+        self.on_stop_swallowed: Callable[[], None] | None = None
         self.use_native_hook = native_hook
         self.native_status = "off"
         #: ``recorder``: a caller's EventRecorder subclass (fake execution's counts bytes
@@ -362,6 +367,8 @@ class ProfileSession:
             self._forward_begins()
 
     def _forward_begins(self, at_seq: int | None = None) -> None:
+        if self.stopped_at_steps:
+            self._stop_swallowed()
         if self._backward_since_forward:
             self._backward_since_forward = False
             if self._counting_backward():
@@ -370,6 +377,15 @@ class ProfileSession:
                     self.stopped_at_steps = True
                     raise StopProfiling()
         self.recorder.phase = schema.FORWARD
+
+    def _stop_swallowed(self) -> None:
+        """The script goes on after its steps were done: a bare ``except:`` (or ``except
+        BaseException``) caught StopProfiling.  Nothing more is recorded; the runner may end
+        the process (``on_stop_swallowed``), else the stop is raised again."""
+        if self.on_stop_swallowed is not None:
+            self.on_stop_swallowed()
+        self.recorder.stop()
+        raise StopProfiling()
 
     def _root_forward(self, module: torch.nn.Module, args: tuple) -> None:
         # the batch was made between steps (or before profiling began); a loss module's
@@ -494,6 +510,8 @@ class ProfileSession:
             self.step_boundary == "auto" and not self._optimizer_boundaries)
 
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+        if self.stopped_at_steps:
+            self._stop_swallowed()
         self._optimizers.add(optimizer)
         # a closure (LBFGS, Lightning's automatic optimization) runs forward and backward
         # inside the step: the update after it is still the optimizer's
@@ -574,6 +592,9 @@ class ProfileSession:
             self.on_step({"steps_done": len(boundaries), "steps_requested": self.steps_requested,
                           "live_bytes": self.recorder.live_bytes,
                           "peak_bytes": self.recorder.peak_bytes})
+        if self.checkpoint is not None and not provisional and \
+                len(boundaries) != self.steps_requested:  # the last one is written anyway
+            self.checkpoint(self)
 
     def _watch(self) -> None:
         while self.timeout_s:
@@ -597,16 +618,27 @@ class ProfileSession:
         return "backward", self._backward_boundaries
 
     def build(self, *, script: str | None = None, args: list[str] | None = None,
-              status: str = "completed", error: str = ""):
-        """The events table and metadata of what was recorded so far; with ``probes`` on,
-        also the script's convolutions and Linear layers measured in 16-bit (probes.py),
-        after the events are collected."""
+              status: str = "completed", error: str = "", probes: bool = True):
+        """The events table and metadata of what was recorded so far; with ``probes`` on
+        (here and in the session), also the script's convolutions and Linear layers
+        measured in 16-bit (probes.py), after the events are collected."""
         self.close()
+        return self._table_and_meta(script, args, status, error, self.probes and probes)
+
+    def snapshot(self, *, script: str | None = None, args: list[str] | None = None,
+                 status: str = "completed", error: str = ""):
+        """What ``build`` would give now, without ending the recording and without probes:
+        the trace kept at step boundaries (checkpoint.py)."""
+        return self._table_and_meta(script, args, status, error, False)
+
+    def _table_and_meta(self, script, args, status, error, run_probes: bool):
         detection, boundaries = self.boundaries()
         table = self.recorder.to_table([seq for seq, _ in boundaries])
         op_stats = self._op_stats()
         probes: dict = {}
-        if self.probes and self.modules.probe_specs:
+        if not run_probes and self.probes and self.modules.probe_specs:
+            probes = {"skipped": "the run did not complete"}
+        elif run_probes and self.modules.probe_specs:
             try:
                 probes = probe_modules(self.modules.probe_specs,
                                        lambda: ProfileSession(engine=self.engine, probes=False))
