@@ -172,3 +172,15 @@ def compile_library(src: Path, out: Path, command: "callable",
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def open_or_rebuild(build: "callable", open_library: "callable",
+                    error: type[NativeUnavailable] = NativeUnavailable):
+    """``open_library(build(force=False))``; a cached library that will not open (a
+    truncated or damaged file, one from a build the cache key did not tell apart) is
+    built again once instead of leaving the fallback in place for good."""
+    path = build(force=False)
+    try:
+        return open_library(path)
+    except error:
+        return open_library(build(force=True))

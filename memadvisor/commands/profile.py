@@ -79,6 +79,9 @@ def command(script, script_args, output, steps, timeout_s, step_boundary, engine
     sys.stdout.flush()
     where = f"{result.trace_path} ({result.events:,} events, {result.steps_completed} steps, " \
             f"peak {format_bytes(result.peak_bytes)})"
+    if result.engine_note:
+        click.echo(f"memadvisor: note: recorded with the slower dispatch engine: "
+                   f"{result.engine_note}", err=True)
     if result.write_error:  # the script's own outcome first: it is what the user must fix
         if result.status != "completed":
             click.echo(f"memadvisor: the script's run: {result.status}: {result.error}",

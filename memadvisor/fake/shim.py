@@ -107,6 +107,19 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
         FakeCudaUnavailable)
 
 
+def _open_shim(path: Path) -> tuple[Path, ctypes.CDLL]:
+    try:
+        # RTLD_GLOBAL: the static registrars must land in the registries of the same
+        # libtorch_cpu/libc10 that torch's import then finds already loaded
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        _bind(lib)
+    except (OSError, AttributeError) as exc:
+        raise FakeCudaUnavailable(f"cannot load {path.name}: {exc}") from None
+    if lib.ma_fake_api_version() != API_VERSION:
+        raise FakeCudaUnavailable(f"{path.name} has an unexpected API version")
+    return path, lib
+
+
 def _bind(lib: ctypes.CDLL) -> None:
     int_fns = ("ma_fake_api_version", "ma_fake_device_count", "ma_fake_current_device",
                "ma_fake_hooks_created", "ma_fake_hooks_active", "ma_fake_guard_active")
@@ -137,18 +150,10 @@ def load(device_count: int = 1, *, cache: str | os.PathLike | None = None,
                 "torch was imported before the fake CUDA shim was loaded (torch resolves "
                 "its CUDA hooks once, while importing): call memadvisor.fake.preload() "
                 "before anything imports torch, or run in a fresh process")
-        path = build(cache, compiler)
         # the device count must be in place before torch's import creates the hooks
         os.environ["MEMADVISOR_FAKE_DEVICE_COUNT"] = str(device_count)
-        try:
-            # RTLD_GLOBAL: the static registrars must land in the registries of the same
-            # libtorch_cpu/libc10 that torch's import then finds already loaded
-            lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-            _bind(lib)
-        except (OSError, AttributeError) as exc:
-            raise FakeCudaUnavailable(f"cannot load {path.name}: {exc}") from None
-        if lib.ma_fake_api_version() != API_VERSION:
-            raise FakeCudaUnavailable(f"{path.name} has an unexpected API version")
+        path, lib = native_build.open_or_rebuild(
+            lambda force: build(cache, compiler, force=force), _open_shim, FakeCudaUnavailable)
         shim = LoadedShim(lib, path)
         shim.set_device_count(device_count)
         _loaded = shim

@@ -143,6 +143,19 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
         NativeHookUnavailable)
 
 
+def _open_hook(path: Path) -> tuple[Path, ctypes.CDLL]:
+    try:
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+        _bind(lib)
+    except (OSError, AttributeError) as exc:
+        raise NativeHookUnavailable(f"cannot load {path.name}: {exc}") from None
+    version = lib.ma_api_version()
+    if version != API_VERSION:
+        raise NativeHookUnavailable(
+            f"{path.name} has API version {version}, expected {API_VERSION}")
+    return path, lib
+
+
 # --- the loaded hook ---------------------------------------------------------------------
 _I64P = ctypes.c_void_p
 
@@ -226,18 +239,12 @@ class AllocatorHook:
                 return _instance
             if os.environ.get("MEMADVISOR_NO_NATIVE"):
                 raise NativeHookUnavailable("disabled by MEMADVISOR_NO_NATIVE")
-            path = build(cache, compiler)
             if _instance is not None:
+                build(cache, compiler)  # the settings given must still build
                 return _instance
-            try:
-                lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
-                _bind(lib)
-            except (OSError, AttributeError) as exc:
-                raise NativeHookUnavailable(f"cannot load {path.name}: {exc}") from None
-            version = lib.ma_api_version()
-            if version != API_VERSION:
-                raise NativeHookUnavailable(
-                    f"{path.name} has API version {version}, expected {API_VERSION}")
+            path, lib = native_build.open_or_rebuild(
+                lambda force: build(cache, compiler, force=force), _open_hook,
+                NativeHookUnavailable)
             rc = lib.ma_install()
             if rc != 0:
                 raise NativeHookUnavailable(

@@ -116,6 +116,21 @@ _library: "ctypes.PyDLL | None" = None
 _library_path: Path | None = None
 
 
+def _open_tracker(path: Path) -> tuple[Path, ctypes.PyDLL]:
+    try:
+        # PyDLL: calls keep the GIL (cheaper than releasing it, and the functions
+        # that take Python objects need it)
+        lib = ctypes.PyDLL(str(path), mode=ctypes.RTLD_LOCAL)
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, AttributeError) as exc:
+        raise NativeHookUnavailable(f"cannot load {path.name}: {exc}") from None
+    if lib.ma_t_api_version() != API_VERSION:
+        raise NativeHookUnavailable(f"{path.name} has an unexpected API version")
+    return path, lib
+
+
 def load_library() -> ctypes.PyDLL:
     """Build (first use: ~10 s, then cached) and load the op tracker; the same library
     every call.  Raises NativeHookUnavailable(reason)."""
@@ -126,18 +141,10 @@ def load_library() -> ctypes.PyDLL:
         import os
         if os.environ.get("MEMADVISOR_NO_NATIVE"):
             raise NativeHookUnavailable("disabled by MEMADVISOR_NO_NATIVE")
-        path = native.build(source_name=SOURCE_NAME)
-        try:
-            # PyDLL: calls keep the GIL (cheaper than releasing it, and the functions
-            # that take Python objects need it)
-            lib = ctypes.PyDLL(str(path), mode=ctypes.RTLD_LOCAL)
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.restype, fn.argtypes = restype, argtypes
-        except (OSError, AttributeError) as exc:
-            raise NativeHookUnavailable(f"cannot load {path.name}: {exc}") from None
-        if lib.ma_t_api_version() != API_VERSION:
-            raise NativeHookUnavailable(f"{path.name} has an unexpected API version")
+        from .. import native_build
+        path, lib = native_build.open_or_rebuild(
+            lambda force: native.build(source_name=SOURCE_NAME, force=force), _open_tracker,
+            NativeHookUnavailable)
         _library, _library_path = lib, path
         return lib
 

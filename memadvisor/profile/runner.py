@@ -21,7 +21,7 @@ from ..trace.io import write_trace
 from .checkpoint import Checkpoint
 from .crash import CrashWitness as _CrashWitness, SignalsHeld as _SignalsHeld, \
     give_children_sigterm, real_exit, stop_giving_children_sigterm
-from .session import ProfileSession, StopProfiling
+from .session import NATIVE_UNAVAILABLE, ProfileSession, StopProfiling
 
 EXIT_SCRIPT_ERROR = 1
 EXIT_TIMEOUT = 124
@@ -39,6 +39,7 @@ class ProfileResult:
     error: str = ""
     traceback: str = ""
     write_error: str = ""  #: the trace could not be written (and what was kept instead)
+    engine_note: str = ""  #: why the run fell back to the slower dispatch engine
 
 
 def rank_output_path(output: str | os.PathLike) -> Path:
@@ -216,10 +217,12 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
     # the peak as every reader of the trace counts it (storages alive before recording
     # included), so the line profile prints agrees with `summary`
     live = live_bytes(table.select(["size_bytes", "action"]).to_pandas())
+    reason = session.engine_status
     return ProfileResult(trace_path=output, status=status, exit_code=exit_code,
                          steps_completed=meta.steps_completed, events=table.num_rows,
                          peak_bytes=int(live.max()) if len(live) else 0, error=error,
-                         traceback=tb)
+                         traceback=tb, engine_note=reason
+                         if reason.startswith(NATIVE_UNAVAILABLE) else "")
 
 
 def _outcome(exc: BaseException | None, session, timeout_s, extension):

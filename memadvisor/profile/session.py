@@ -42,6 +42,10 @@ from .source import SourceLocator
 ENGINES = ("auto", "native", "dispatch")
 
 
+#: how an 'auto' engine's fallback to dispatch begins its reason (the trace keeps it)
+NATIVE_UNAVAILABLE = "native engine unavailable"
+
+
 class StopProfiling(BaseException):
     """Raised inside the script once the requested steps are done."""
 
@@ -190,7 +194,7 @@ class ProfileSession:
         except NativeHookUnavailable as exc:
             if self.engine_requested == "native":
                 raise
-            return "dispatch", f"native engine unavailable: {exc}"
+            return "dispatch", f"{NATIVE_UNAVAILABLE}: {exc}"
         self.recorder = recorder
         return "native", "requested" if self.engine_requested == "native" else "auto"
 

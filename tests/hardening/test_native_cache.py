@@ -1,0 +1,82 @@
+"""The native engine's cached library: a damaged one is built again; a fallback to the
+dispatch engine is told to the user, not only written into the trace."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from memadvisor import native_build
+from memadvisor.profile import native, native_engine
+from memadvisor.trace.io import read_meta
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+''')
+
+
+def _profile(tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    return subprocess.run(
+        [sys.executable, "-m", "memadvisor.cli", "profile", str(script), "-o",
+         str(tmp_path / "t.trace"), "-q", "--no-probes"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(CHECKOUT), **env},
+        capture_output=True, text=True, timeout=600)
+
+
+def test_open_or_rebuild_builds_again_once_when_the_cached_file_will_not_open():
+    calls = []
+
+    def build(force):
+        calls.append(force)
+        return Path("fresh.so" if force else "cached.so")
+
+    def open_library(path):
+        if path.name == "cached.so":
+            raise native_build.NativeUnavailable("invalid ELF header")
+        return path
+
+    assert native_build.open_or_rebuild(build, open_library) == Path("fresh.so")
+    assert calls == [False, True]
+
+
+def test_a_rebuild_that_will_not_open_either_is_one_error():
+    def open_library(path):
+        raise native_build.NativeUnavailable(f"cannot load {path}")
+    with pytest.raises(native_build.NativeUnavailable, match="cannot load"):
+        native_build.open_or_rebuild(lambda force: Path("x.so"), open_library)
+
+
+@pytest.mark.skipif(not native.available()[0], reason="no C++ toolchain for the native engine")
+def test_a_damaged_cached_library_is_rebuilt_and_used(tmp_path):
+    cache = tmp_path / "cache"
+    damaged = native.library_path(cache, native_engine.SOURCE_NAME)
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a shared library\n")
+    proc = _profile(tmp_path, MEMADVISOR_CACHE=str(cache))
+    assert proc.returncode == 0, proc.stderr
+    assert "note:" not in proc.stderr
+    assert read_meta(tmp_path / "t.trace").allocator["engine"] == "native"
+    assert damaged.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_the_fallback_to_the_dispatch_engine_is_told(tmp_path):
+    proc = _profile(tmp_path, MEMADVISOR_CACHE=str(tmp_path / "empty-cache"),
+                    MEMADVISOR_CXX="false")
+    assert proc.returncode == 0, proc.stderr
+    assert "note: recorded with the slower dispatch engine: native engine unavailable" \
+        in proc.stderr
+    assert read_meta(tmp_path / "t.trace").allocator["engine"] == "dispatch"
