@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..output_files import check_output
 from ..trace.analysis import live_bytes
 from ..trace.io import write_trace
 from .checkpoint import Checkpoint
@@ -161,6 +162,8 @@ def profile_script(script: str | os.PathLike, args: list[str] | None = None,
     args = list(args or [])
     code = _compile_script(script)
     output = extension.output_path(output) if extension else rank_output_path(output)
+    # before the run, and absolute: a script that chdir's must not move it
+    output = check_output(output, "trace")
     _warm_up_imports()
     options = {"engine": engine, "probes": probes,
                **(extension.session_options() if extension else {})}

@@ -195,3 +195,37 @@ def test_checkpoints_cost_at_most_an_allowance_plus_a_fraction_of_the_run():
     assert spent <= checkpoint_module.FREE_ALLOWANCE_S \
         + checkpoint_module.TIME_FRACTION * elapsed + 0.05
     assert spent >= checkpoint_module.FREE_ALLOWANCE_S  # the allowance is used: early steps kept
+
+
+def test_a_relative_output_stays_where_the_user_was_when_the_script_chdirs(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    script = _script(tmp_path, f'''
+        os.makedirs({str(elsewhere)!r}, exist_ok=True)
+        os.chdir({str(elsewhere)!r})
+        for i in range(3):
+            step()
+    ''')
+    argv = [sys.executable, "-m", "memadvisor.cli", "profile", str(script), "-o", "rel.trace",
+            "-q", "--steps", "5"]
+    proc = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(CHECKOUT)},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert read_trace(tmp_path / "rel.trace").meta.steps_completed == 3
+    assert not (elsewhere / "rel.trace").exists()
+
+
+def test_an_unwritable_output_is_refused_before_the_script_runs(tmp_path):
+    marker = tmp_path / "ran"
+    script = _script(tmp_path, f'''
+        open({str(marker)!r}, "w").close()
+        step()
+    ''')
+    (tmp_path / "a_folder").mkdir()
+    for output in ("a_folder", f"{script}/under_a_file.trace", "x" * 300 + ".trace"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "memadvisor.cli", "profile", str(script), "-o", output],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(CHECKOUT)},
+            capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 2, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not marker.exists()
