@@ -98,6 +98,17 @@ def written_by_memadvisor(path: Path) -> bool:
 
 
 def write(destination: Destination, script: Path, code: str) -> None:
+    """Write the rewritten script (and the backup ``--in-place`` keeps) atomically; a
+    filesystem that refuses (read-only, full) is one line, and nothing is left half done."""
+    from ..output_files import describe_write_error
+    try:
+        _write(destination, script, code)
+    except OSError as exc:
+        where = exc.filename or destination.path
+        raise UserError(describe_write_error(where, exc)) from None
+
+
+def _write(destination: Destination, script: Path, code: str) -> None:
     if destination.backup is not None and not destination.backup.exists():
         shutil.copy2(script, destination.backup)
     folder = destination.path.parent

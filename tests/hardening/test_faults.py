@@ -229,3 +229,22 @@ def test_an_unwritable_output_is_refused_before_the_script_runs(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert not marker.exists()
+
+
+def test_apply_on_a_read_only_filesystem_is_one_line_and_leaves_the_script(tmp_path,
+                                                                         monkeypatch, capsys):
+    import errno
+    import tempfile
+
+    from memadvisor.cli import main
+    script = _script(tmp_path, "step()\n")
+    before = script.read_text()
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path))
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    assert main(["apply", str(script), "--plan", "precision=bf16", "-q", "--in-place"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("could not write (read-only filesystem)"), err
+    assert len(err.splitlines()) == 1
+    assert script.read_text() == before
