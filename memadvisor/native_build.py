@@ -113,14 +113,44 @@ def torch_build(error: type[NativeUnavailable] = NativeUnavailable) -> TorchBuil
     return TorchBuild(version, include, lib, abi)
 
 
+#: headers whose bytes stand for torch's C++ interface in the cache key: the build's
+#: configuration and the interfaces the native pieces use
+FINGERPRINT_HEADERS = ("torch/csrc/api/include/torch/version.h", "c10/macros/cmake_macros.h",
+                       "c10/core/Allocator.h", "ATen/record_function.h",
+                       "c10/core/impl/DeviceGuardImplInterface.h")
+
+
+def headers_fingerprint(include: Path) -> bytes:
+    """The bytes of FINGERPRINT_HEADERS (those present): equal for two installs of the same
+    torch wherever they live, so a second virtual environment reuses the cached build."""
+    digest = hashlib.sha256()
+    for name in FINGERPRINT_HEADERS:
+        try:
+            digest.update(name.encode() + b"\0" + (include / name).read_bytes() + b"\0")
+        except OSError:
+            digest.update(name.encode() + b"\0missing\0")
+    return digest.digest()
+
+
 def cache_key(sources: bytes, build: TorchBuild) -> str:
     """A hash of what a compiled library depends on: its source(s), torch's version, C++
-    ABI and include path, and the Python ABI."""
+    ABI and headers (by content, not by path), and the Python ABI."""
     return hashlib.sha256(b"\0".join([
         sources, build.version.encode(), str(build.cxx11_abi).encode(),
         (sys.implementation.cache_tag or "").encode(),
-        (sysconfig.get_config_var("SOABI") or "").encode(), str(build.include).encode(),
+        (sysconfig.get_config_var("SOABI") or "").encode(), headers_fingerprint(build.include),
     ])).hexdigest()[:16]
+
+
+def preload_torch_libraries(build: TorchBuild, names=("libc10.so", "libtorch_cpu.so")) -> None:
+    """Load this torch's own libraries globally before a cached library that links them:
+    a build made in another environment carries that environment's rpath, and the loader
+    takes a library already loaded under the same name before searching any path."""
+    import ctypes
+    for name in names:
+        path = build.lib / name
+        if path.is_file():
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 def compile_command(cxx: str, src: Path, out: Path, build: TorchBuild, *,

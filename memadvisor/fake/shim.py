@@ -109,6 +109,8 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
 
 def _open_shim(path: Path) -> tuple[Path, ctypes.CDLL]:
     try:
+        # loaded before torch: the libraries it links must be this environment's
+        native_build.preload_torch_libraries(native_build.torch_build(FakeCudaUnavailable))
         # RTLD_GLOBAL: the static registrars must land in the registries of the same
         # libtorch_cpu/libc10 that torch's import then finds already loaded
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)

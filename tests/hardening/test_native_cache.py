@@ -80,3 +80,23 @@ def test_the_fallback_to_the_dispatch_engine_is_told(tmp_path):
     assert "note: recorded with the slower dispatch engine: native engine unavailable" \
         in proc.stderr
     assert read_meta(tmp_path / "t.trace").allocator["engine"] == "dispatch"
+
+
+def test_the_cache_key_follows_the_headers_bytes_not_the_environments_path(tmp_path):
+    import dataclasses
+    import shutil
+    build = native_build.torch_build()
+    copies = []
+    for where in ("venv-a", "venv-b"):
+        include = tmp_path / where / "include"
+        for name in native_build.FINGERPRINT_HEADERS:
+            if (build.include / name).is_file():
+                (include / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(build.include / name, include / name)
+        copies.append(dataclasses.replace(build, include=include, lib=tmp_path / where / "lib"))
+    key_a, key_b = (native_build.cache_key(b"source", c) for c in copies)
+    assert key_a == key_b == native_build.cache_key(b"source", build)
+    changed = copies[1].include / "c10" / "core" / "Allocator.h"
+    changed.write_bytes(changed.read_bytes() + b"\n// another torch\n")
+    assert native_build.cache_key(b"source", copies[1]) != key_a
+    assert native_build.cache_key(b"other source", copies[0]) != key_a
