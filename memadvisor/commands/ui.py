@@ -37,7 +37,7 @@ def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_bro
                    "authentication: anyone who reaches the port sees the trace", err=True)
     from ..ui import data as ui_data
     from ..ui.app import build_app
-    from ..ui.server import bind, serve, should_open_browser
+    from ..ui.server import bind, one_line_errors, serve, should_open_browser
     from ..ui.views import Dashboard
 
     budget_bytes = parse_bytes(budget) if budget is not None else None
@@ -46,7 +46,7 @@ def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_bro
         data = ui_data.load(trace_path, baseline_path)
         board = Dashboard(data, budget_bytes=budget_bytes, num_gpus=num_gpus, gpu=gpu,
                           trace_name=trace_path, baseline_name=baseline_path or "")
-        server.app.target = build_app(board, budget or "").server
+        server.app.target = one_line_errors(build_app(board, budget or "").server)
     except BaseException:
         server.server_close()
         raise

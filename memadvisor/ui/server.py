@@ -7,9 +7,11 @@ import errno
 import sys
 import threading
 import webbrowser
+from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
+from ..terminal import safe_text
 
 
 class LateApp:
@@ -57,6 +59,28 @@ def bind(host: str, port: int, app=None):
         raise UserError(f"cannot serve on {host}:{port}: {exc}") from None
     finally:
         listener.close()  # the server holds its own duplicate of the socket
+
+
+def one_line_errors(flask_app, stream=None):
+    """Make a request that fails answer 500 and leave one line on the server's terminal,
+    not Flask's traceback: the page's callbacks take whatever a client posts (a malformed
+    or hostile body would fill the terminal; the HTTP answer stays generic either way).
+    The line names the exception and the innermost frame, enough to find a real bug."""
+    import traceback
+
+    def log_exception(exc_info) -> None:
+        from flask import request
+
+        kind, error, tb = exc_info
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        text = str(error).splitlines()[0][:200] if str(error).strip() else ""
+        line = (f"memadvisor: dashboard: {request.method} {request.path[:100]} failed "
+                f"({kind.__name__}{': ' + text if text else ''}{where}); answered 500")
+        print(safe_text(line), file=stream if stream is not None else sys.stderr, flush=True)
+
+    flask_app.log_exception = log_exception  # the instance's, called by Flask with exc_info
+    return flask_app
 
 
 def url_of(server) -> str:
