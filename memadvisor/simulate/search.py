@@ -11,13 +11,15 @@ trace, against ~3 ms per plan for the fast replay).  A plan fits when its reserv
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..plan import Environment, Plan, PlanError, environment_problems
 from ..units import format_bytes
 from .hardware import Hardware
-from .simulator import Baseline, Prediction, max_micro_batch, quick_simulate, simulate
+from .simulator import (Baseline, Prediction, layout_cache_keys, layout_key, max_micro_batch,
+                        quick_simulate, simulate)
 
 SEMANTIC = {"bf16": "bf16", "optimizer": "optimizer"}
 
@@ -112,19 +114,23 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     too_big: list[Prediction] = []
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
-    bounds: dict = {}
-    for plan in plans:
+    outcomes: list = [None] * len(plans)  #: per plan: its Prediction or (plan, why rejected)
+    by_layout: dict[tuple, list[int]] = {}
+    for index, plan in enumerate(plans):
         problems = environment_problems(plan, env)
         if problems:
-            rejected.append((plan, problems[0]))
+            outcomes[index] = (plan, problems[0])
             continue
         try:
-            prediction = quick_simulate(base, plan, hw, cache, bounds) or simulate(
-                base, plan, hw, run_allocator=False, cache=cache, categories=False)
+            by_layout.setdefault(layout_key(base, plan, hw, cache), []).append(index)
         except PlanError as exc:
-            rejected.append((plan, str(exc)))
-            continue
-        (fitting if prediction.peak_bytes <= usable else too_big).append(prediction)
+            outcomes[index] = (plan, str(exc))
+    stage_keys = _fast_pass(base, hw, plans, by_layout, cache, outcomes)
+    for outcome in outcomes:  # in candidate order, as ties in the ranking are broken
+        if isinstance(outcome, tuple):
+            rejected.append(outcome)
+        else:
+            (fitting if outcome.peak_bytes <= usable else too_big).append(outcome)
     fitting.sort(key=key)
     # the allocator model for the best plans: reserved memory must fit too
     ranked: list[Prediction] = []
@@ -132,6 +138,7 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
         if len(ranked) >= top:
             break
         exact = hw.device_type == "cuda"
+        _keep_only(cache, stage_keys, layout_cache_keys(base, prediction.plan, hw, cache))
         prediction = simulate(base, prediction.plan, hw, run_allocator=exact,
                               expandable_segments=expandable_segments, cache=cache,
                               allocator_stop_above=usable)
@@ -144,8 +151,9 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     ranked.sort(key=key)
     best = {}
     for prediction in ranked[:3]:
+        _keep_only(cache, stage_keys, layout_cache_keys(base, prediction.plan, hw, cache))
         best[prediction.plan.to_compact()] = max_micro_batch(
-            base, prediction.plan, hw, usable, cache=cache, bounds_cache=bounds,
+            base, prediction.plan, hw, usable, cache=cache, bounds_cache={},
             expandable_segments=expandable_segments)
     if not ranked:
         smallest = min(too_big, key=lambda p: p.reserved_bytes or p.peak_bytes, default=None)
@@ -156,6 +164,39 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
         raise UserError(f"no plan fits {format_bytes(budget_bytes)} with a {margin:.0%} margin "
                         f"on {gpus} GPU(s){need}: raise --budget, add --gpus{hint}")
     return SearchResult(ranked, rejected, too_big, len(plans), budget_bytes, usable, best)
+
+
+def _fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
+               cache: dict, outcomes: list) -> set:
+    """Every plan's peak from its layout's bounds (``quick_simulate``; a replay where the
+    bounds cannot express it), one lifetime layout at a time: a layout's bounds are dropped
+    once its plans are priced, and the timelines of steps 0-3 in ``cache`` once the last
+    layout built on them is done (layouts sharing them run in a row), so memory holds one
+    layout, not all of them.  The figures do not depend on the order.  Returns the keys of
+    every such ``cache`` entry."""
+    needs = {key: layout_cache_keys(base, plans[indices[0]], hw, cache)
+             for key, indices in by_layout.items()}
+    users = Counter(entry for entries in needs.values() for entry in entries)
+    for key in sorted(by_layout, key=lambda k: repr(needs[k])):
+        bounds: dict = {}
+        for index in by_layout[key]:
+            plan = plans[index]
+            try:
+                outcomes[index] = quick_simulate(base, plan, hw, cache, bounds) or simulate(
+                    base, plan, hw, run_allocator=False, cache=cache, categories=False)
+            except PlanError as exc:
+                outcomes[index] = (plan, str(exc))
+        for entry in needs[key]:
+            users[entry] -= 1
+            if not users[entry]:
+                cache.pop(entry, None)
+    return set(users)
+
+
+def _keep_only(cache: dict, entries: set, keep: tuple) -> None:
+    """Drop the timelines of ``entries`` from ``cache`` but those in ``keep``."""
+    for entry in entries.difference(keep):
+        cache.pop(entry, None)
 
 
 def _complexity(plan: Plan) -> int:

@@ -119,7 +119,7 @@ def _model_stage(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
                  cache: dict | None = None) -> Timeline:
     """Steps 1-3, which depend neither on the batch split nor on the ranks.  ``cache`` also
     keeps steps 1-2 (shared by every optimizer)."""
-    key = ("precision", tuple(regions), plan.precision, hw.device_type, rewrites_loop(plan))
+    key = _precision_key(regions, plan, hw)
     timeline = cache.get(key) if cache is not None else None
     if timeline is None:
         timeline = base.rewritten if rewrites_loop(plan) else base.timeline
@@ -181,6 +181,25 @@ def _regions(base: Baseline, plan: Plan, cache: dict | None) -> list[str]:
     if key not in cache:
         cache[key] = resolve_checkpoint(plan, base.meta.modules)
     return cache[key]
+
+
+def _precision_key(regions: list[str], plan: Plan, hw: Hardware) -> tuple:
+    """``cache`` key of steps 0-2 (``_model_stage``)."""
+    return ("precision", tuple(regions), plan.precision, hw.device_type, rewrites_loop(plan))
+
+
+def layout_key(base: Baseline, plan: Plan, hw: Hardware, cache: dict) -> tuple:
+    """The plan's lifetime layout: plans with one key share one ``LayoutBounds``."""
+    return _layout_key(_regions(base, plan, cache), plan, hw)
+
+
+def layout_cache_keys(base: Baseline, plan: Plan, hw: Hardware, cache: dict) -> tuple:
+    """The ``cache`` entries ``quick_simulate`` fills for the plan's layout (its timelines of
+    steps 0-2 and 0-3, what ``save_on_cpu`` moves): ``advise`` drops them once the last
+    layout that needs them is done."""
+    regions = _regions(base, plan, cache)
+    stage = _layout_key(regions, plan, hw)[:-1]
+    return (_precision_key(regions, plan, hw), stage, ("saved activations", stage))
 
 
 def _layout_key(regions: list[str], plan: Plan, hw: Hardware) -> tuple:
