@@ -133,28 +133,29 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
             (fitting if outcome.peak_bytes <= usable else too_big).append(outcome)
     fitting.sort(key=key)
     # the allocator model for the best plans: reserved memory must fit too
+    exact = hw.device_type == "cuda"
     ranked: list[Prediction] = []
-    for prediction in fitting:
-        if len(ranked) >= top:
-            break
-        exact = hw.device_type == "cuda"
-        _keep_only(cache, stage_keys, layout_cache_keys(base, prediction.plan, hw, cache))
-        prediction = simulate(base, prediction.plan, hw, run_allocator=exact,
-                              expandable_segments=expandable_segments, cache=cache,
-                              allocator_stop_above=usable)
-        if exact and (prediction.reserved_bytes or prediction.peak_bytes) > usable:
-            too_big.append(prediction)
-            continue
-        ranked.append(prediction)
+    taken = 0
+    while len(ranked) < top and taken < len(fitting):
+        batch = fitting[taken:taken + top - len(ranked)]
+        taken += len(batch)
+        for prediction in _in_layout_order(base, hw, [p.plan for p in batch], cache, stage_keys,
+                                           lambda plan: simulate(
+                                               base, plan, hw, run_allocator=exact,
+                                               expandable_segments=expandable_segments,
+                                               cache=cache, allocator_stop_above=usable)):
+            if exact and (prediction.reserved_bytes or prediction.peak_bytes) > usable:
+                too_big.append(prediction)
+                continue
+            ranked.append(prediction)
     # the same order as the fast pass (both price every term alike), after the allocator
     # model has dropped plans whose reserved memory does not fit
     ranked.sort(key=key)
-    best = {}
-    for prediction in ranked[:3]:
-        _keep_only(cache, stage_keys, layout_cache_keys(base, prediction.plan, hw, cache))
-        best[prediction.plan.to_compact()] = max_micro_batch(
-            base, prediction.plan, hw, usable, cache=cache, bounds_cache={},
-            expandable_segments=expandable_segments)
+    sizes = _in_layout_order(base, hw, [p.plan for p in ranked[:3]], cache, stage_keys,
+                             lambda plan: max_micro_batch(
+                                 base, plan, hw, usable, cache=cache, bounds_cache={},
+                                 expandable_segments=expandable_segments))
+    best = {p.plan.to_compact(): size for p, size in zip(ranked[:3], sizes)}
     if not ranked:
         smallest = min(too_big, key=lambda p: p.reserved_bytes or p.peak_bytes, default=None)
         need = (f"; the smallest plan ({smallest.plan}) needs "
@@ -193,10 +194,19 @@ def _fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
     return set(users)
 
 
-def _keep_only(cache: dict, entries: set, keep: tuple) -> None:
-    """Drop the timelines of ``entries`` from ``cache`` but those in ``keep``."""
-    for entry in entries.difference(keep):
-        cache.pop(entry, None)
+def _in_layout_order(base: Baseline, hw: Hardware, plans: list[Plan], cache: dict,
+                     entries: set, work) -> list:
+    """``[work(plan) for plan in plans]``, run with the plans that share the cached timelines
+    of steps 0-3 in a row and only those timelines kept in ``cache`` (``entries``: every such
+    key ``_fast_pass`` knows)."""
+    keys = [layout_cache_keys(base, plan, hw, cache) for plan in plans]
+    results: list = [None] * len(plans)
+    for index in sorted(range(len(plans)), key=lambda i: repr(keys[i])):
+        for entry in entries.difference(keys[index]):
+            cache.pop(entry, None)
+        entries.update(keys[index])
+        results[index] = work(plans[index])
+    return results
 
 
 def _complexity(plan: Plan) -> int:
