@@ -11,7 +11,9 @@ dimension is
 * it holds the dimensions before the batch dimension of a batch tensor
   (``meta.batch['batch_dims']``) followed by ``B``: the (T, B, C) activations of a
   sequence-first batch (T, B), attention's stacked (3, T, B, C) projections, the
-  (layers, B, H) states of an RNN fed (layers, B, H), or
+  (layers, B, H) states of an RNN fed (layers, B, H); for a batch-first sequence (B, T)
+  or (B, T, F), its length followed by ``B`` (``nn.MultiheadAttention`` works on
+  (T, B, E) inside whatever the layout outside), or
 * another multiple of ``B`` (B*heads, ...) in a tensor of two or more dimensions *and*
   the shape is not a parameter's shape
   (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay);
@@ -65,11 +67,20 @@ def batch_multiples(batch: dict) -> set[int]:
 
 
 def batch_prefixes(batch: dict) -> set[tuple[int, ...]]:
-    """The dimensions before the batch dimension of each batch tensor not batch-first."""
+    """The dimensions before the batch dimension of each batch tensor not batch-first, and
+    the length of each batch-first sequence ((B, T) or (B, T, F)): modules lay such a
+    batch out sequence-first inside (``nn.MultiheadAttention`` computes on (T, B, E) and
+    stacks (3, T, B, E) projections; an RNN without ``batch_first``)."""
     size = int(batch.get("batch_size") or 0)
-    return {tuple(int(d) for d in shape[:dim])
-            for shape, dim in zip(batch.get("shapes") or [], schema.batch_dims_of(batch))
-            if dim and dim < len(shape) and int(shape[dim]) == size}
+    out = set()
+    for shape, dim in zip(batch.get("shapes") or [], schema.batch_dims_of(batch)):
+        if dim is None or dim >= len(shape) or int(shape[dim]) != size:
+            continue
+        if dim:
+            out.add(tuple(int(d) for d in shape[:dim]))
+        elif 2 <= len(shape) <= 3 and int(shape[1]) > 1:
+            out.add((int(shape[1]),))
+    return out
 
 
 def _after_prefix(shapes: np.ndarray, prefixes: set[tuple[int, ...]], size: int) -> np.ndarray:
