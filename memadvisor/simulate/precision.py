@@ -48,7 +48,12 @@ PASS_THROUGH = frozenset({
     # batch norm is on neither autocast list: it runs in its input's dtype
     "aten::native_batch_norm", "aten::_native_batch_norm_legit",
     "aten::_native_batch_norm_legit_functional", "aten::cudnn_batch_norm",
-    "aten::batch_norm"})
+    "aten::batch_norm",
+    # on neither of the CPU's lists (CUDA runs them in fp32: its fp32 list is read first),
+    # so on the CPU a GroupNorm after a 16-bit convolution, a LayerNorm fed 16-bit, a
+    # masked_fill fills in its input's dtype (softmax: above)
+    "aten::native_group_norm", "aten::native_layer_norm",
+    "aten::masked_fill"})
 LOW_DTYPES = {"amp-bf16": "bfloat16", "bf16": "bfloat16", "amp-fp16": "float16"}
 #: autocast's "promote" ops: the widest input dtype
 _PROMOTE = frozenset({"aten::cat", "aten::stack", "aten::index_copy"})

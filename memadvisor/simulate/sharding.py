@@ -159,11 +159,29 @@ def zero1_share(timeline: Timeline, group: int) -> float:
 
 def gradient_bytes(timeline: Timeline) -> float:
     """Bytes of one set of gradients: those this step's backward makes (the previous step's,
-    alive until ``zero_grad``, are the same tensors once more), else any gradient rows."""
+    alive until ``zero_grad``, are the same tensors once more), else any gradient rows.
+    A parameter has one gradient however often the step makes it again (an LBFGS closure
+    evaluated four times, clearing gradients each time): at most as many gradients of a
+    module and size count as that module has parameters of that size (sizes, not shapes:
+    a bias's gradient is recorded as the (1, N) sum autograd made it from)."""
     grad = timeline.category == _GRAD
     made = grad & (timeline.phase == _BACKWARD) & (timeline.alloc_key >= 0)
-    return float(timeline.size[made].sum() or timeline.size[grad & (timeline.alloc_key < 0)].sum()
-                 or timeline.size[grad].sum())
+    if not made.any():
+        made = grad & (timeline.alloc_key < 0) if (grad & (timeline.alloc_key < 0)).any() else grad
+    rows = np.flatnonzero(made)
+    params = np.flatnonzero(timeline.category == _PARAM)
+    keys = [(int(timeline.module[r]), float(timeline.size[r])) for r in rows]
+    limit: dict = {}
+    for r in params:
+        key = (int(timeline.module[r]), float(timeline.size[r]))
+        limit[key] = limit.get(key, 0) + 1
+    counted: dict = {}
+    total = 0.0
+    for r, key in zip(rows.tolist(), keys):
+        counted[key] = counted.get(key, 0) + 1
+        if key not in limit or counted[key] <= limit[key]:
+            total += float(timeline.size[r])
+    return total
 
 
 def shard_additions(timeline: Timeline, shard: str, blocks: list[str],
