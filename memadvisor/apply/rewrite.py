@@ -60,6 +60,25 @@ class Rewrite:
             original_name, new_name))
 
 
+def moves_zero_grad(source: str, filename: str = "script.py") -> bool:
+    """Whether the loop rewrite moves a ``zero_grad()`` from between the forward and the
+    backward in front of the micro-batch loop (``_Editor``): only in a raw loop with one
+    forward..backward region; framework scripts (their own loops, their own knobs) and
+    several backward calls per iteration keep theirs.  RewriteError if unparsable."""
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise RewriteError(f"cannot parse {filename}: {exc}") from None
+    from . import frameworks
+    if frameworks.detect(module, filename) is not None:
+        return False
+    try:
+        found = ScriptFinder(module, filename).find()
+    except ScriptNotUnderstood as exc:
+        raise RewriteError(str(exc)) from None
+    return bool(found.hoisted)
+
+
 def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewrite:
     try:
         compile(source, filename, "exec", dont_inherit=True)  # Python's own words for errors

@@ -45,7 +45,8 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     from ..plan import Plan
     from ..trace.io import read_trace
     from ..units import parse_bytes
-    from ..simulate import advise, prepare
+    from ..simulate import advise
+    from ..verify import baseline_as_applied
     from ..simulate.output import advise_dict, advise_text
     from .simulate import check_gpu_option, target_hardware
 
@@ -54,7 +55,7 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     if save_plan is not None:
         _check_save_path(save_plan, overwrite)
     trace = read_trace(trace_path)
-    base = prepare(trace)
+    base = baseline_as_applied(trace)  # the loop as apply rewrites it
     hw = target_hardware(gpu, trace.meta.device, expandable_segments)
     script = _script(trace, trace_path, required=bool(verify_count))
     allowed = {a.strip() for a in allow.split(",") if a.strip()}

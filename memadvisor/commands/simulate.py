@@ -34,13 +34,14 @@ def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, veri
     from ..errors import UserError
     from ..plan import Plan, environment_problems
     from ..trace.io import read_trace
-    from ..simulate import prepare, simulate
+    from ..simulate import simulate
+    from ..verify import baseline_as_applied
     from ..simulate.output import simulate_dict, simulate_text
 
     check_gpu_option(gpu)
     plan = Plan.parse(plan_spec)
     trace = read_trace(trace_path)
-    base = prepare(trace)
+    base = baseline_as_applied(trace)  # the loop as apply rewrites it
     hw = target_hardware(gpu, trace.meta.device, expandable_segments)
     # the plans advise rejects and apply refuses are refused here too, in the same words
     problems = environment_problems(plan, target_environment(hw))

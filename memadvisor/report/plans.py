@@ -89,6 +89,7 @@ def _simulator() -> Simulator | None:
     if not all(hasattr(sim, name) for name in ("prepare", "hardware", "advise", "simulate")):
         return None
     from ..plan import Plan
+    from ..verify import baseline_as_applied  # the loop as apply rewrites it
 
     def as_dict(prediction, fits: bool | None, with_timeline: bool) -> dict[str, Any]:
         plan = prediction.plan
@@ -101,7 +102,7 @@ def _simulator() -> Simulator | None:
                 "timeline": timeline_pairs(prediction.timeline) if with_timeline else None}
 
     def advise(trace: Trace, budget_bytes: int, num_gpus: int) -> list[dict[str, Any]]:
-        base = sim.prepare(trace)
+        base = baseline_as_applied(trace)
         result = sim.advise(base, sim.hardware(None, trace.meta.device), budget_bytes, num_gpus)
         refused = _apply_refusals(trace, [p.plan for p in result.ranked])
         first = next((i for i, p in enumerate(result.ranked)
@@ -113,7 +114,7 @@ def _simulator() -> Simulator | None:
         return shown + [as_dict(p, False, False) for p in result.too_big[:SHOWN_OVER_BUDGET]]
 
     def simulate(trace: Trace, plan_spec: str, budget_bytes: int | None) -> dict[str, Any]:
-        base = sim.prepare(trace)
+        base = baseline_as_applied(trace)
         prediction = sim.simulate(base, Plan.parse(plan_spec),
                                   sim.hardware(None, trace.meta.device))
         data = as_dict(prediction, None, True)

@@ -39,7 +39,7 @@ from .offload import apply_offload, offload_activations, saved_activation_bytes
 from .optimizer_swap import FOREACH_OP, apply_optimizer_swap
 from .precision import apply_precision, scaler_bytes
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline, replay_events
-from .sharding import apply_sharding, fsdp_layout
+from .sharding import apply_sharding, fsdp_layout, shard_additions
 
 
 @dataclass
@@ -88,6 +88,8 @@ def prepare(trace: Trace) -> Baseline:
     work = work_profile(meta, meta.steps_completed)
     if not work.total_flops:
         work = with_shape_flops(work, flops_from_shapes(timeline, meta))
+    # as the trace shows it (``loop.hoisted_zero_grad``); verify.baseline_as_applied asks
+    # apply itself where the script is there to ask
     rewritten, _ = hoisted_zero_grad(timeline)
     return Baseline(timeline, meta, int((meta.batch or {}).get("batch_size") or 0),
                     "cuda" if str(meta.device).startswith("cuda") else "cpu",
@@ -195,11 +197,12 @@ def layout_key(base: Baseline, plan: Plan, hw: Hardware, cache: dict) -> tuple:
 
 def layout_cache_keys(base: Baseline, plan: Plan, hw: Hardware, cache: dict) -> tuple:
     """The ``cache`` entries ``quick_simulate`` fills for the plan's layout (its timelines of
-    steps 0-2 and 0-3, what ``save_on_cpu`` moves): ``advise`` drops them once the last
-    layout that needs them is done."""
+    steps 0-2 and 0-3, what ``save_on_cpu`` moves, the rows data-parallel modes add):
+    ``advise`` drops them once the last layout that needs them is done."""
     regions = _regions(base, plan, cache)
     stage = _layout_key(regions, plan, hw)[:-1]
-    return (_precision_key(regions, plan, hw), stage, ("saved activations", stage))
+    return (_precision_key(regions, plan, hw), stage, ("saved activations", stage),
+            ("shard additions", stage))
 
 
 def _layout_key(regions: list[str], plan: Plan, hw: Hardware) -> tuple:
@@ -229,9 +232,17 @@ def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
         sharded = timeline
         if "activations" in plan.offload:
             timeline, _ = offload_activations(timeline)
-        bounds = LayoutBounds(timeline, base.blocks, base.block_parameter_fraction,
-                              device_rules(hw.device_type)["collective_copies"], sharded,
-                              FSDP_SHARDS if plan.shard in FSDP_SHARDS else ("ddp",))
+        kinds = FSDP_SHARDS if plan.shard in FSDP_SHARDS else ("ddp",)
+        copies = device_rules(hw.device_type)["collective_copies"]
+        # the rows data-parallel modes add depend on the stage, not on activation offload
+        additions = cache.get(("shard additions", stage_key))
+        if additions is None:
+            additions = {kind: shard_additions(sharded, kind, base.blocks,
+                                               base.block_parameter_fraction, copies)[0]
+                         for kind in kinds}
+            cache[("shard additions", stage_key)] = additions
+        bounds = LayoutBounds(timeline, base.blocks, base.block_parameter_fraction, copies,
+                              sharded, kinds, additions)
         bounds_cache[key] = bounds
     if bounds is None:
         return None

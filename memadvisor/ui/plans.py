@@ -47,12 +47,12 @@ class PlanAdvisor:
 
     def baseline(self):
         """The simulator's ``prepare`` of the trace (UserError when it refuses it)."""
-        from ..simulate import prepare
+        from ..verify import baseline_as_applied
 
         with self._lock:
             if self._base is None and self._base_error is None:
                 try:
-                    self._base = prepare(self.trace)
+                    self._base = baseline_as_applied(self.trace)
                 except UserError as exc:
                     self._base_error = str(exc)
         if self._base_error is not None:

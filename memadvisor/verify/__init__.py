@@ -8,7 +8,7 @@ depends on it but the commands.
 """
 from .compare import DISAGREEMENT, compare, verification_dict
 from .execute import RankPeaks, Verification, ranks_to_run, verify_plan
-from .script import RecordedScript, apply_refusals, recorded_script
+from .script import RecordedScript, apply_refusals, baseline_as_applied, recorded_script
 
 __all__ = ["DISAGREEMENT", "RankPeaks", "RecordedScript", "Verification", "apply_refusals",
            "compare", "ranks_to_run", "recorded_script", "verification_dict", "verify_plan"]

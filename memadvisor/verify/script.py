@@ -59,6 +59,29 @@ def rewritten(script: RecordedScript, plan: Plan):
         return None, " ".join(str(exc).split("\n", 1)[0].split())
 
 
+def loop_moves_zero_grad(meta) -> bool | None:
+    """Whether ``apply``'s loop rewrite of the recorded script moves a ``zero_grad`` in
+    front of its forward (``apply.rewrite.moves_zero_grad``); None where the script is not
+    there to ask (the simulator then goes by the trace alone)."""
+    from ..apply.rewrite import moves_zero_grad
+    try:
+        script = recorded_script(meta)
+        return moves_zero_grad(script.source, str(script.path))
+    except UserError:
+        return None
+
+
+def baseline_as_applied(trace):
+    """The simulator's baseline of ``trace`` with the loop as ``apply`` rewrites it: the
+    one place the prediction asks apply, its ground truth, what the rewrite does."""
+    from ..simulate import prepare
+    base = prepare(trace)
+    # apply (libcst, torch) is asked only where the trace has a zero_grad to move
+    if base.rewritten is not base.timeline and loop_moves_zero_grad(trace.meta) is False:
+        base.rewritten = base.timeline
+    return base
+
+
 def apply_refusals(script: RecordedScript, plans) -> dict[str, str]:
     """Plan (compact text) -> why ``apply`` cannot rewrite the script for it, for the
     plans it refuses (the rewrite only: nothing runs)."""
