@@ -41,6 +41,7 @@ FIXED, OPTIMIZER_TEMP, STATE, PARAM_KEPT, PARAM_OTHER, GRAD_KEPT, GRAD_OTHER, FO
 MODEL_STATE = (STATE, PARAM_KEPT, PARAM_OTHER, GRAD_KEPT, GRAD_OTHER)
 GROUPS = 16  #: category group x scales-with-batch
 SHARD_KINDS = ("ddp", "zero2", "zero3")  #: zero1 adds what ddp adds
+OUTLIVING, RELEASED = 1, 2  #: event flags of the micro-step curve (``accumulated_peak``)
 
 
 def row_groups(timeline: Timeline) -> np.ndarray:
@@ -91,13 +92,13 @@ class _Column:
 class _Additions:
     """What one data-parallel mode adds, placed on this layout's event axis."""
 
-    def __init__(self, layout: "LayoutBounds", rows: dict):
+    def __init__(self, layout: "LayoutBounds", rows: dict, sorted_keys: np.ndarray):
         sizes = rows["size"]
         keys = np.concatenate([rows["alloc_key"], rows["free_key"] - FREE_FIRST])
         signed = np.concatenate([sizes, -sizes])
         order = np.argsort(keys, kind="stable")  # as ``replay._merge_order`` inserts them
         self.keys = keys[order]
-        self.positions = np.searchsorted(layout.sorted_keys, self.keys, side="right")
+        self.positions = np.searchsorted(sorted_keys, self.keys, side="right")
         self.running = np.cumsum(signed[order])  # added bytes alive after each added event
         self.slot = np.searchsorted(layout.slot_positions, self.positions)
         self.before = _running_before(self.positions, self.running, layout.starts)
@@ -124,31 +125,43 @@ def _running_before(positions: np.ndarray, running: np.ndarray, starts: np.ndarr
 class LayoutBounds:
     def __init__(self, timeline: Timeline, blocks: list[str], fractions: dict[str, float],
                  copies: dict | None = None, sharded: Timeline | None = None,
-                 kinds: tuple[str, ...] = SHARD_KINDS):
+                 kinds: tuple[str, ...] = SHARD_KINDS, additions: dict | None = None):
         """``sharded``: the timeline the data-parallel rows are derived from where it is not
         ``timeline`` itself (``transform`` shards before it offloads activations);
-        ``kinds``: the data-parallel modes this layout answers (others: None)."""
+        ``kinds``: the data-parallel modes this layout answers (others: None);
+        ``additions``: ``shard_additions``'s rows per mode in ``kinds`` where the caller has
+        them (layouts that differ only in activation offload share them).
+
+        Per event (sorted) it keeps the size, sign, group and micro-step flags, and the same
+        in group order (each group's events one contiguous run, ascending), so a column is
+        built from views and ``_replay_chunks`` from gathers; nothing per row or per group
+        and row."""
         self.timeline = timeline
         rows = len(timeline)
         order = timeline.order()
-        self.is_alloc = order >= rows
-        self.row = np.where(self.is_alloc, order - rows, order).astype(np.int32)
-        self.sorted_keys = timeline.sort_keys()[order]
-        self.sign = np.where(self.is_alloc, 1, -1).astype(np.int8)
+        is_alloc = order >= rows
+        row = np.where(is_alloc, order - rows, order)
+        sorted_keys = timeline.sort_keys()[order]
+        self.sign = np.where(is_alloc, 1, -1).astype(np.int8)
+        self.event_size = timeline.size[row]
         self.groups = row_groups(timeline)
         scaled_state = (self.groups % 2 == 1) & np.isin(self.groups // 2, MODEL_STATE)
         self.supported = not bool((scaled_state & (timeline.size > 0)).any())
-        self.event_group = self.groups[self.row]
+        self.event_group = self.groups[row]
         by_group = np.argsort(self.event_group, kind="stable")
-        bounds = np.searchsorted(self.event_group[by_group], np.arange(GROUPS + 1))
-        self.members = [by_group[bounds[g]:bounds[g + 1]] for g in range(GROUPS)]
+        self.group_start = np.searchsorted(self.event_group[by_group], np.arange(GROUPS + 1))
+        self.members = [by_group[self.group_start[g]:self.group_start[g + 1]]
+                        for g in range(GROUPS)]
+        self.grouped_size = self.event_size[by_group]
+        self.grouped_sign = self.sign[by_group]
         self.blocks, self.fractions = blocks, fractions
-        rows_by_kind = {kind: shard_additions(sharded if sharded is not None else timeline,
-                                              kind, blocks, fractions, copies)[0]
-                        for kind in kinds}
+        if additions is None:
+            additions = {kind: shard_additions(sharded if sharded is not None else timeline,
+                                               kind, blocks, fractions, copies)[0]
+                         for kind in kinds}
         keys = np.concatenate([np.concatenate([r["alloc_key"], r["free_key"] - FREE_FIRST])
-                               for r in rows_by_kind.values()])
-        self.slot_positions = np.unique(np.searchsorted(self.sorted_keys, keys, side="right"))
+                               for r in additions.values()])
+        self.slot_positions = np.unique(np.searchsorted(sorted_keys, keys, side="right"))
         n = len(order)
         self.n = n
         self.segment = segment_keys(timeline)
@@ -156,15 +169,24 @@ class LayoutBounds:
         cuts = [np.arange(0, n, CHUNK), self.slot_positions[self.slot_positions < n]]
         if self.segment is not None:
             start, end = self.segment
-            w0, w1 = (int(i) for i in np.searchsorted(self.sorted_keys,
+            w0, w1 = (int(i) for i in np.searchsorted(sorted_keys,
                                                       [start - 1e-6, end - 1e-6]))
             if w1 > w0:
                 self.window = (w0, w1)
                 _, outliving, released = _masks(timeline, start, end)
-                self.outliving_alloc = outliving[self.row] & self.is_alloc
-                self.released_free = released[self.row] & ~self.is_alloc
-                self.outliving_rows, self.released_rows = outliving, released
+                self.flags = (np.where(outliving[row] & is_alloc, OUTLIVING, 0)
+                              | np.where(released[row] & ~is_alloc, RELEASED, 0)
+                              ).astype(np.int8)
+                self.grouped_flags = self.flags[by_group]
+                # the few rows that enter the micro-step otherwise, by group (row order)
+                released_rows, outliving_rows = np.flatnonzero(released), np.flatnonzero(
+                    outliving)
+                self.group_released = [released_rows[self.groups[released_rows] == g]
+                                       for g in range(GROUPS)]
+                self.group_outliving = [outliving_rows[self.groups[outliving_rows] == g]
+                                        for g in range(GROUPS)]
                 cuts += [np.array([w0, w1])]
+        del order, is_alloc, row, by_group
         starts = np.unique(np.concatenate(cuts))
         self.starts = starts[(starts >= 0) & (starts < n)] if n else np.zeros(0, np.int64)
         self.ends = np.append(self.starts[1:], n)
@@ -173,23 +195,14 @@ class LayoutBounds:
             inside = (self.starts >= w0) & (self.starts < w1)
             self.mid_starts = self.starts[inside]
             self.mid_ends = self.ends[inside]
-        self.event_chunk = (np.repeat(np.arange(len(self.starts)), self.ends - self.starts)
-                            if n else np.zeros(0, np.int64))
-        if self.window is not None:
-            self.mid_first = int(np.searchsorted(self.starts, self.window[0]))
-            self.group_released = [self.released_rows & (self.groups == g)
-                                   for g in range(GROUPS)]
-            self.group_outliving = [self.outliving_rows & (self.groups == g)
-                                    for g in range(GROUPS)]
         self.columns: dict[tuple[int, int], _Column] = {}
         self.additions = {"none": None}
-        for kind, rows_added in rows_by_kind.items():
-            self.additions[kind] = _Additions(self, rows_added) if len(rows_added["size"]) \
-                else None
+        for kind, rows_added in additions.items():
+            self.additions[kind] = _Additions(self, rows_added, sorted_keys) \
+                if len(rows_added["size"]) else None
         if "ddp" in self.additions:
             self.additions["zero1"] = self.additions["ddp"]
         self.share: dict[int, float] = {}
-        del self.sorted_keys  # only placed the additions
 
     # --- columns ------------------------------------------------------------------------
     def _column(self, group: int, ranks: int) -> _Column:
@@ -199,29 +212,28 @@ class LayoutBounds:
             return column
         column = _Column()
         events = self.members[group]
-        size = _shrunk(self.timeline.size[self.row[events]], ranks)
-        cum = np.cumsum(self.sign[events] * size)
-        column.before, column.max = _chunk_stats(events, cum, self.starts, cum,
-                                                 self.event_chunk[events])
+        first, last = self.group_start[group], self.group_start[group + 1]
+        size = _shrunk(self.grouped_size[first:last], ranks)
+        sign = self.grouped_sign[first:last]
+        cum = np.cumsum(sign * size)
+        column.before, column.max = _chunk_stats(events, cum, self.starts, cum)
         column.at = _value_after(events, cum, self.slot_positions - 1)
         if self.window is not None:
             w0, w1 = self.window
-            inside = (events >= w0) & (events < w1)
-            before_window = _value_after(events, cum, np.array([w0 - 1]))[0]
+            i0, i1 = (int(i) for i in np.searchsorted(events, [w0, w1]))
+            before_window = float(cum[i0 - 1]) if i0 > 0 else 0.0
             released, outliving = self.group_released[group], self.group_outliving[group]
             sizes = self.timeline.size
             entering = (before_window - _shrunk(sizes[released], ranks).sum()
                         + _shrunk(sizes[outliving], ranks).sum())
-            window_events = events[inside]
-            window_size = size[inside]
-            outliving_alloc = self.outliving_alloc[window_events]
-            bump = np.where(outliving_alloc, window_size, 0.0)
-            step = np.where(outliving_alloc | self.released_free[window_events], 0.0,
-                            self.sign[window_events] * window_size)
+            window_events = events[i0:i1]
+            window_size = size[i0:i1]
+            flags = self.grouped_flags[first + i0:first + i1]
+            bump = np.where(flags & OUTLIVING, window_size, 0.0)
+            step = np.where(flags != 0, 0.0, sign[i0:i1] * window_size)
             mid_cum = entering + np.cumsum(step)
             column.mid_before, column.mid_max = _chunk_stats(
-                window_events, mid_cum, self.mid_starts, mid_cum + bump,
-                self.event_chunk[window_events] - self.mid_first, entering, w0)
+                window_events, mid_cum, self.mid_starts, mid_cum + bump, entering)
             slots = np.clip(self.slot_positions, w0, w1) - 1
             column.mid_at = np.where(self.slot_positions <= w0, entering,
                                      _value_after(window_events, mid_cum, slots, entering))
@@ -296,17 +308,16 @@ class LayoutBounds:
         lengths = ends - starts
         index = np.repeat(starts - np.cumsum(np.append(0, lengths[:-1])), lengths) + \
             np.arange(int(lengths.sum()))
-        rows = self.row[index]
         group = self.event_group[index]
-        size = self.timeline.size[rows]
+        size = self.event_size[index]
         group_ranks = ranks[group]
         size = multipliers[group] * np.where(group_ranks > 1, np.ceil(size / group_ranks), size)
         step = self.sign[index] * size
         bump = 0.0
         if middle:
-            outliving = self.outliving_alloc[index]
-            bump = np.where(outliving, size, 0.0)
-            step = np.where(outliving | self.released_free[index], 0.0, step)
+            flags = self.flags[index]
+            bump = np.where(flags & OUTLIVING, size, 0.0)
+            step = np.where(flags != 0, 0.0, step)
         cum = np.cumsum(step)
         offsets = np.repeat(np.append(0.0, cum[np.cumsum(lengths)[:-1] - 1]) - before, lengths)
         return float((cum - offsets + bump).max())
@@ -321,14 +332,15 @@ def _value_after(events: np.ndarray, cum: np.ndarray, positions: np.ndarray,
     return np.where(count > 0, cum[np.maximum(count - 1, 0)], initial)
 
 
-def _chunk_stats(events, cum, starts, peaks, chunk, initial: float = 0.0, first: int = 0):
-    """(value before each chunk, an upper bound of the value after any event in it);
-    ``chunk``: the chunk of each event."""
-    before = _value_after(events, cum, starts - 1, initial)
-    if first:
-        before = np.where(starts <= first, initial, before)
+def _chunk_stats(events, cum, starts, peaks, initial: float = 0.0):
+    """(value before each chunk, an upper bound of the value after any event in it); a chunk
+    runs from its start to the next one's (the last: past every event)."""
+    heads = np.searchsorted(events, starts)  # each chunk's first event (of this column)
+    if not len(cum):
+        before = np.full(len(starts), initial)
+        return before, before.copy()
+    before = np.where(heads > 0, cum[np.maximum(heads - 1, 0)], initial)
     top = before.copy()
-    if len(events):
-        heads = np.flatnonzero(np.append(True, chunk[1:] != chunk[:-1]))
-        top[chunk[heads]] = np.maximum(top[chunk[heads]], np.maximum.reduceat(peaks, heads))
+    nonempty = np.diff(np.append(heads, len(events))) > 0
+    top[nonempty] = np.maximum(top[nonempty], np.maximum.reduceat(peaks, heads[nonempty]))
     return before, top
