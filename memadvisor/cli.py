@@ -14,6 +14,7 @@ import sys
 import click
 
 from .errors import UserError
+from .terminal import safe_text
 from .trace.io import TraceError
 
 #: command name -> (module under memadvisor.commands, one-line help)
@@ -73,7 +74,8 @@ def main(argv=None) -> int:
         exc.show()
         return exc.exit_code
     except (UserError, TraceError) as exc:
-        click.echo(f"memadvisor: error: {exc}", err=True)
+        # the message may quote a file's own text: shown, never obeyed by the terminal
+        click.echo(safe_text(f"memadvisor: error: {exc}"), err=True)
         return getattr(exc, "exit_code", 2)
     # a command may return its exit status (``check`` returns 1 when over budget)
     return result if isinstance(result, int) else 0

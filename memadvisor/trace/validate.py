@@ -7,6 +7,7 @@ first problem found, or None; ``io`` turns it into one ``TraceError`` line.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any
 
@@ -27,6 +28,141 @@ _STEP_FIELDS = {"index": (int,), "start_ns": (int,), "end_ns": (int,),
                 "duration_s": (int, float, type(None)), "peak_bytes": (int,),
                 "cuda_max_allocated_bytes": (int, type(None)),
                 "cuda_max_reserved_bytes": (int, type(None))}
+
+
+# -- what readers index inside the nested metadata: a small spec language ----------------
+# A spec is a callable value -> problem (str) or None.  Objects accept unknown keys (a
+# newer writer's extras); a known key must hold what readers expect.
+
+def _kind(ok, name: str):
+    return lambda value: None if ok(value) else f"is {_short(value)}, not {name}"
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+COUNT = _kind(lambda v: _whole(v) and v >= 0, "a count")  #: bytes, counts: >= 0
+INTEGER = _kind(_whole, "an integer")  #: positions that may be -1
+NUMBER = _kind(lambda v: (_whole(v) or isinstance(v, float)) and math.isfinite(v) and v >= 0,
+               "a number >= 0")
+TEXT = _kind(lambda v: isinstance(v, str), "text")
+FLAG = _kind(lambda v: isinstance(v, bool), "true/false")
+
+
+def _any(value) -> None:
+    return None
+
+
+def maybe(spec):
+    return lambda value: None if value is None else spec(value)
+
+
+def list_of(spec, length: int | None = None):
+    def check(value):
+        if not isinstance(value, list):
+            return f"is {_short(value)}, not a list"
+        if length is not None and len(value) != length:
+            return f"holds {len(value)} values, not {length}"
+        for index, item in enumerate(value):
+            problem = spec(item)
+            if problem:
+                return f"[{index}]{_joined(problem)}"
+        return None
+    return check
+
+
+def row(*specs):
+    """A list of fixed length whose items have one spec each ([bytes, start, end])."""
+    def check(value):
+        problem = list_of(_any, len(specs))(value)
+        if problem:
+            return problem
+        for index, (spec, item) in enumerate(zip(specs, value)):
+            problem = spec(item)
+            if problem:
+                return f"[{index}]{_joined(problem)}"
+        return None
+    return check
+
+
+def mapping(spec):
+    def check(value):
+        if not isinstance(value, dict):
+            return f"is {_short(value)}, not an object"
+        for key, item in value.items():
+            problem = spec(item)
+            if problem:
+                return f".{key}{_joined(problem)}"
+        return None
+    return check
+
+
+def record(required: tuple[str, ...] = (), **specs):
+    def check(value):
+        if not isinstance(value, dict):
+            return f"is {_short(value)}, not an object"
+        for key in required:
+            if key not in value:
+                return f"has no {key}"
+        for key, spec in specs.items():
+            problem = spec(value[key]) if key in value else None
+            if problem:
+                return f".{key}{_joined(problem)}"
+        return None
+    return check
+
+
+def _joined(problem: str) -> str:
+    return problem if problem.startswith((".", "[")) else " " + problem
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_PROBE_DIRECTIONS = mapping(list_of(COUNT))
+_NESTED = {
+    "modules": list_of(record(
+        ("path", "type"), path=TEXT, type=TEXT, parameter_bytes=COUNT, parameter_count=COUNT,
+        buffer_bytes=COUNT, total_parameter_bytes=COUNT, total_parameter_count=COUNT,
+        repeated=FLAG, root=FLAG)),
+    "steps": list_of(record(
+        ("index",), index=COUNT, start_ns=COUNT, end_ns=COUNT, duration_s=maybe(NUMBER),
+        peak_bytes=COUNT, cuda_max_allocated_bytes=maybe(COUNT),
+        cuda_max_reserved_bytes=maybe(COUNT))),
+    "optimizers": list_of(record(
+        (), **{"class": TEXT}, module=TEXT, hyperparameters=mapping(_any),
+        param_groups=COUNT, parameter_count=COUNT, state_bytes=COUNT,
+        state_tensors_per_parameter=NUMBER)),
+    "op_stats": list_of(record((), module=TEXT, phase=TEXT, op=TEXT, calls=COUNT,
+                               flops=NUMBER)),
+    "batch": record((), batch_size=maybe(COUNT), shapes=list_of(list_of(COUNT)),
+                    dtypes=list_of(TEXT), names=list_of(TEXT),
+                    batch_dims=list_of(maybe(COUNT)), evidence=TEXT),
+    "autocast": record((), enabled=FLAG, dtype=maybe(TEXT)),
+    # 16-bit kernel blocks measured by the profiler (profile/probes.py)
+    "probes": mapping(list_of(record(
+        ("module",), module=TEXT, input_shape=list_of(COUNT), threads=COUNT,
+        rows=list_of(COUNT), float32_blocks=COUNT, skipped=TEXT,
+        raw_bytes=mapping(_PROBE_DIRECTIONS), bfloat16=_PROBE_DIRECTIONS,
+        float16=_PROBE_DIRECTIONS,
+        calls=mapping(mapping(record(
+            (), raw=list_of(row(COUNT, COUNT, COUNT)), typed=list_of(row(TEXT, COUNT)),
+            length=COUNT)))))),
+    # an imported snapshot's allocator record (snapshot/importer.py)
+    "allocator": record(
+        (), source=TEXT, settings=mapping(_any),
+        initial_segments=list_of(record(("address", "total_size", "small"),
+                                        address=COUNT, total_size=COUNT, small=_any,
+                                        stream=INTEGER)),
+        initial_reserved_bytes=COUNT, initial_blocks=COUNT,
+        segment_events=list_of(row(INTEGER, TEXT, COUNT, COUNT, INTEGER, COUNT, COUNT)),
+        peak_allocated_bytes=COUNT, peak_reserved_bytes=COUNT, segments=COUNT,
+        oom_events=list_of(row(INTEGER, COUNT, COUNT)), cublas_workspace_bytes=list_of(COUNT),
+        gpu_hint=TEXT, start_time_us=NUMBER),
+}
 
 
 def meta_problem(data: dict[str, Any]) -> str | None:
@@ -58,9 +194,10 @@ def meta_problem(data: dict[str, Any]) -> str | None:
         for key, kinds in _STEP_FIELDS.items():
             if key in step and (not isinstance(step[key], kinds) or isinstance(step[key], bool)):
                 return f"a step's {key} is {step[key]!r}"
-    for module in data.get("modules", []):
-        if not isinstance(module.get("path", ""), str):
-            return "a module's path is not text"
+    for name, spec in _NESTED.items():
+        problem = spec(data[name]) if name in data else None
+        if problem:
+            return f"{name}{_joined(problem)}"
     unknown = set(data) - known
     return None if all(isinstance(k, str) for k in unknown) else "a non-text key"
 

@@ -70,3 +70,45 @@ def test_nonsense_values_are_refused_in_one_line(good, tmp_path, capsys, spoil, 
     assert code == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert expected in err, err
+
+
+def _nested(table: pa.Table, name: str, change) -> pa.Table:
+    data = json.loads(table.schema.metadata[METADATA_KEY])
+    change(data[name])
+    return table.replace_schema_metadata({METADATA_KEY: json.dumps(data)})
+
+
+@pytest.mark.parametrize("spoil, expected", [
+    (lambda t: _nested(t, "modules", lambda m: m[1].pop("path")), "modules[1] has no path"),
+    (lambda t: _nested(t, "modules", lambda m: m[1].update(parameter_bytes="x")),
+     "modules[1].parameter_bytes is 'x', not a count"),
+    (lambda t: _nested(t, "batch", lambda b: b.update(batch_size=8, shapes=[[8, {"a": 1}]])),
+     "batch.shapes[0][1] is {'a': 1}, not a count"),
+    (lambda t: _nested(t, "op_stats", lambda o: o.append({"op": "aten::mm", "flops": "x"})),
+     "op_stats[0].flops is 'x', not a number >= 0"),
+    (lambda t: _nested(t, "probes", lambda p: p.update(
+        linear=[{"module": "m", "bfloat16": {"forward": [1, -2]}}])),
+     "probes.linear[0].bfloat16.forward[1] is -2, not a count"),
+    (lambda t: _nested(t, "optimizers", lambda o: o[0].update(state_bytes=None)),
+     "optimizers[0].state_bytes is None, not a count"),
+], ids=["module-without-path", "module-bytes-text", "batch-shape-object", "flops-text",
+        "probe-negative", "optimizer-state-null"])
+def test_nested_metadata_readers_index_is_checked_at_read_time(good, tmp_path, capsys, spoil,
+                                                                expected):
+    """simulate and advise indexed these (a KeyError or ValueError traceback each)."""
+    path = tmp_path / "spoiled.trace"
+    pq.write_table(spoil(pq.read_table(good)), path)
+    capsys.readouterr()
+    assert main(["simulate", str(good), "--plan", "accum=2"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(path), "--plan", "accum=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_an_error_quoting_the_file_cannot_drive_the_terminal(good, tmp_path, capsys):
+    path = tmp_path / "spoiled.trace"
+    pq.write_table(_nested(pq.read_table(good), "probes",
+                           lambda p: p.update({"\x1b]0;pwned\x07": "x"})), path)
+    code, err = _check(path, capsys)
+    assert code == 2 and "\x1b" not in err and "\\x1b]0;pwned\\x07" in err, err
