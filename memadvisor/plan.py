@@ -329,6 +329,7 @@ class ModuleEntry:
     path: str  #: 'blocks.3' ('' is the root)
     type: str  #: class name
     total_parameter_count: int  #: including children
+    root: bool = False  #: a model the script calls itself ('' and further roots)
 
 
 def module_entries(modules: Iterable[Any]) -> list[ModuleEntry]:
@@ -339,12 +340,12 @@ def module_entries(modules: Iterable[Any]) -> list[ModuleEntry]:
             entries.append(m)
         elif isinstance(m, Mapping):
             count = m.get("total_parameter_count", m.get("total_parameter_bytes", 0))
-            entries.append(ModuleEntry(m["path"], m["type"], int(count)))
+            entries.append(ModuleEntry(m["path"], m["type"], int(count), bool(m.get("root"))))
         elif isinstance(m, tuple):
             entries.append(ModuleEntry(*m))
         else:
             count = getattr(m, "total_parameter_count", getattr(m, "total_parameter_bytes", 0))
-            entries.append(ModuleEntry(m.path, m.type, int(count)))
+            entries.append(ModuleEntry(m.path, m.type, int(count), bool(getattr(m, "root", 0))))
     return entries
 
 
@@ -385,6 +386,36 @@ def auto_checkpoint_modules(modules: Iterable[Any]) -> list[str]:
     if is_leaf:
         return [blocks[0].rpartition(".")[0]]
     return blocks
+
+
+def resolve_checkpoint_per_root(plan: Plan, modules: Iterable[Any]) -> list[str]:
+    """``resolve_checkpoint`` for each model of a trace's module tree on its own, as
+    ``apply`` resolves it per model it prepares (a GAN's two networks each get their own
+    repeated blocks); paths prefixed back.  Roots without parameters (a loss module) are
+    skipped, and so is a model the plan finds nothing in while another takes it; one
+    model (or a trace that marks no roots): ``resolve_checkpoint`` itself."""
+    entries = module_entries(modules)
+    roots = [m.path for m in entries if m.root and m.total_parameter_count > 0]
+    if len(roots) < 2:
+        return resolve_checkpoint(plan, entries)
+    chosen, first_error = [], None
+    for root in roots:
+        others = [r for r in roots if r != root and (root == "" or r.startswith(root + "."))]
+        inside = [m for m in entries if (root == "" or m.path == root
+                                         or m.path.startswith(root + "."))
+                  and not any(m.path == r or m.path.startswith(r + ".") for r in others)]
+        relative = [ModuleEntry(m.path[len(root) + 1:] if root and m.path != root else
+                                ("" if m.path == root else m.path), m.type,
+                                m.total_parameter_count) for m in inside]
+        try:
+            paths = resolve_checkpoint(plan, relative)
+        except PlanError as exc:
+            first_error = first_error or exc
+            continue
+        chosen += [".".join(p for p in (root, path) if p) for path in paths]
+    if not chosen and first_error is not None:
+        raise first_error
+    return chosen
 
 
 def resolve_checkpoint(plan: Plan, modules: Iterable[Any]) -> list[str]:

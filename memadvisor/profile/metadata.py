@@ -39,6 +39,7 @@ def module_tree(roots: list[tuple[str, torch.nn.Module]]) -> list[dict[str, Any]
                 parameter_count=sum(p.numel() for p in own),
                 buffer_bytes=unique_storage_bytes(module.buffers(recurse=False)),
                 total_parameter_bytes=unique_storage_bytes(module.parameters()),
+                root=full == prefix,
             )
             modules.append(entry)
             siblings.setdefault(_parent(full), []).append(entry.type)

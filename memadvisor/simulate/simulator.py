@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from ..plan import FSDP_SHARDS, Plan, repeated_blocks, resolve_checkpoint
+from ..plan import FSDP_SHARDS, Plan, repeated_blocks, resolve_checkpoint_per_root
 from ..trace import schema
 from ..trace.io import Trace
 from . import allocator as allocator_model
@@ -178,10 +178,10 @@ def _regions(base: Baseline, plan: Plan, cache: dict | None) -> list[str]:
     if plan.checkpoint == "none":
         return []
     if cache is None:
-        return resolve_checkpoint(plan, base.meta.modules)
+        return resolve_checkpoint_per_root(plan, base.meta.modules)
     key = ("regions", plan.checkpoint)
     if key not in cache:
-        cache[key] = resolve_checkpoint(plan, base.meta.modules)
+        cache[key] = resolve_checkpoint_per_root(plan, base.meta.modules)
     return cache[key]
 
 

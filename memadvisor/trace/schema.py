@@ -110,6 +110,9 @@ class ModuleInfo:
     buffer_bytes: int
     total_parameter_bytes: int  #: including children
     repeated: bool = False  #: one of a ModuleList/Sequential of same-typed siblings
+    #: a model the script calls itself: '' and each further root (a GAN's ``netG`` beside
+    #: its ``netD``), which ``apply`` prepares on its own; absent in older traces
+    root: bool = False
 
 
 @dataclass

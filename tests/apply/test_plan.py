@@ -169,3 +169,27 @@ def test_plan_module_is_pure_python():
     code = "import sys, memadvisor.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_checkpoint_resolves_per_model_as_apply_prepares_each():
+    """A GAN's two networks: apply's ``mem.prepare`` runs once per model, each finding its
+    own repeated layers; the trace's one module tree marks both as roots."""
+    from memadvisor.plan import resolve_checkpoint, resolve_checkpoint_per_root
+    tree = [dict(path="", type="Discriminator", total_parameter_bytes=10880, root=True),
+            dict(path="main", type="Sequential", total_parameter_bytes=10880),
+            *[dict(path=f"main.{i}", type="Conv2d", total_parameter_bytes=1000)
+              for i in (0, 2, 5)],
+            dict(path="main.1", type="LeakyReLU", total_parameter_bytes=0),
+            dict(path="criterion", type="BCELoss", total_parameter_bytes=0, root=True),
+            dict(path="netG", type="Generator", total_parameter_bytes=68992, root=True),
+            dict(path="netG.main", type="Sequential", total_parameter_bytes=68992),
+            *[dict(path=f"netG.main.{i}", type="ConvTranspose2d", total_parameter_bytes=20000)
+              for i in (0, 3, 6)]]
+    auto = Plan.parse("checkpoint=auto")
+    assert resolve_checkpoint_per_root(auto, tree) == ["main", "netG.main"]
+    assert resolve_checkpoint(auto, tree) == ["netG.main"]  # one tree: the larger model only
+    named = Plan.parse("checkpoint=main")
+    assert resolve_checkpoint_per_root(named, tree) == ["main", "netG.main"]
+    # a trace without root marks: one model, as before
+    unmarked = [{k: v for k, v in m.items() if k != "root"} for m in tree]
+    assert resolve_checkpoint_per_root(auto, unmarked) == ["netG.main"]
