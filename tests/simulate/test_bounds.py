@@ -72,3 +72,48 @@ def test_advise_shows_exact_replays(synthetic_base):
         assert prediction.peak_bytes == exact.peak_bytes
         # every plan shown gets the allocator model (reserved memory)
         assert prediction.reserved_bytes == exact.reserved_bytes is not None
+
+
+def _shown(result):
+    return ([(p.plan.to_compact(), p.peak_bytes, p.reserved_bytes, p.allocated_bytes,
+              p.step_time_factor, p.micro_batch_size) for p in result.ranked],
+            [(plan.to_compact(), why) for plan, why in result.rejected],
+            result.max_micro_batch, result.evaluated)
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_advise_ranks_as_replaying_every_plan_would(synthetic_base, monkeypatch, gpus):
+    # the bounds, one layout at a time, against the exact replay of every plan (no bounds,
+    # nothing dropped): the same plans shown, in the same order, with the same figures
+    from memadvisor.simulate import search
+    hw = hardware("h100-80gb")
+    budget = int(synthetic_base.peak.bytes * 0.7)
+    fast = advise(synthetic_base, hw, budget, gpus)
+    with monkeypatch.context() as patch:
+        patch.setattr(search, "quick_simulate", lambda *args: None)
+        replayed = advise(synthetic_base, hw, budget, gpus)
+    assert _shown(fast) == _shown(replayed)
+    assert len(fast.ranked) == 10
+    over = {p.plan.to_compact(): p.peak_bytes for p in replayed.too_big}
+    assert over.keys() == {p.plan.to_compact() for p in fast.too_big}
+    for prediction in fast.too_big:
+        assert abs(prediction.peak_bytes - over[prediction.plan.to_compact()]) <= 1
+
+
+def test_advise_holds_one_layout_at_a_time(synthetic_base, monkeypatch):
+    import weakref
+
+    from memadvisor.simulate import simulator
+    from memadvisor.simulate.bounds import LayoutBounds
+    alive, most = [], [0]
+
+    class Counted(LayoutBounds):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            alive.append(weakref.ref(self))
+            most[0] = max(most[0], sum(r() is not None for r in alive))
+
+    monkeypatch.setattr(simulator, "LayoutBounds", Counted)
+    result = advise(synthetic_base, hardware("h100-80gb"), int(synthetic_base.peak.bytes * 0.7), 4)
+    assert len(alive) > 20 and result.ranked  # every layout was built, one after another
+    assert most[0] == 1
