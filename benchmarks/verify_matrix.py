@@ -18,6 +18,11 @@ then per plan, all through the CLI a user has:
 * **gpu**: with ``--gpu NAME`` also the analytic and the fake-executed peak on that GPU
   (reserved bytes through the allocator model; nothing here can measure a GPU).
 
+* **advise** (``--advise FRACTION``): per script, ``advise --budget B --gpus 2`` with B =
+  FRACTION x the script's own peak, then the plan it recommends (``best``: the first shown
+  that fits and that ``apply`` can realise) measured as above (FSDP: the highest of
+  ``--fsdp-runs``): a plan declared to fit must measure at most 1% above B.
+
 Errors are (prediction - measured) / measured.  A case ``apply`` refuses, or whose run
 fails, is listed with its one-line reason and left out of the error statistics (counted).
 Prints a Markdown table and the median / worst errors per column.
@@ -37,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "zoo"))
 
 from zoo_scripts import quiet_environment, zoo_scripts  # noqa: E402
@@ -138,6 +144,51 @@ def run_case(script, trace: Path, plan: str, gpu: str | None, fsdp_runs: int) ->
     return row
 
 
+def advise_case(script, trace: Path, fraction: float, fsdp_runs: int) -> dict:
+    """``advise`` at ``fraction`` of the script's peak, and its recommended plan measured."""
+    from memadvisor.trace.io import read_trace
+    from memadvisor.trace.analysis import analysed_step
+    meta = read_trace(trace).meta
+    budget = int(fraction * meta.steps[analysed_step(read_trace(trace))]["peak_bytes"])
+    row = {"script": script.name, "budget_bytes": budget}
+    proc = _cli("advise", str(trace), "--budget", str(budget), "--gpus", "2", "--json",
+                cwd=trace.parent)
+    if not proc.stdout.strip().startswith("{"):
+        return {**row, "skipped": f"advise: {_last_line(proc)}"}
+    data = json.loads(proc.stdout)
+    if data.get("best") is None or not data.get("plans"):
+        return {**row, "skipped": "advise: no plan fits"}
+    shown = data["plans"][data["best"]]
+    plan = shown["plan_compact"]
+    row.update(plan=plan, predicted=shown["peak_bytes"])
+    measured = []
+    for _ in range(fsdp_runs if plan.startswith(FSDP) else 1):
+        real, why = _simulate(trace, plan, "--verify", "--verify-by", "real")
+        if why:
+            return {**row, "skipped": f"measured: {why}"}
+        measured.append(real["verification"]["executed_peak_bytes"])
+    row["measured"] = max(measured)
+    row["over_budget"] = (row["measured"] - budget) / budget
+    return row
+
+
+def advise_markdown(rows: list[dict], fraction: float) -> str:
+    done = [r for r in rows if "measured" in r]
+    out = ["", f"`advise --budget {fraction:g} x peak --gpus 2`, its recommended plan measured:",
+           ""]
+    if done:
+        worst = max(r["over_budget"] for r in done)
+        over = sum(r["over_budget"] > 0.01 for r in done)
+        out.append(f"- {len(done)} plans measured: worst {worst:+.2%} against the budget; "
+                   f"{over} more than 1% over it")
+    out += ["", "| script | budget | plan | predicted | measured | vs budget |",
+            "|---|---:|---|---:|---:|---:|"]
+    out += [f"| {r['script']} | {r['budget_bytes']:,} | `{r['plan']}` | {r['predicted']:,} | "
+            f"{r['measured']:,} | {r['over_budget']:+.2%} |" for r in done]
+    out += [f"- {r['script']}: {r['skipped']}" for r in rows if "skipped" in r]
+    return "\n".join(out) + "\n"
+
+
 def _error(row, key):
     return (row[key] - row["measured"]) / row["measured"]
 
@@ -181,6 +232,8 @@ def main() -> int:
     parser.add_argument("--fsdp-runs", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--keep", type=Path, help="folder for the traces (reused)")
+    parser.add_argument("--advise", type=float, metavar="FRACTION",
+                        help="only: advise at FRACTION of each script's peak, its plan measured")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     options = parser.parse_args()
@@ -202,6 +255,10 @@ def main() -> int:
             if proc.returncode:
                 return [{"script": script.name, "plan": p,
                          "skipped": f"profile: {_last_line(proc)}"} for p in plans]
+        if options.advise:
+            row = advise_case(script, trace, options.advise, options.fsdp_runs)
+            print(json.dumps(row), flush=True)
+            return [row]
         out = []
         for plan in plans:
             row = (gpu_case(script, trace, plan, options.gpu) if options.gpu_only else
@@ -215,6 +272,7 @@ def main() -> int:
             rows += result
     command = "python benchmarks/verify_matrix.py " + " ".join(sys.argv[1:])
     text = (gpu_markdown(rows, options.gpu, command.strip()) if options.gpu_only else
+            advise_markdown(rows, options.advise) if options.advise else
             markdown(rows, options.gpu, command.strip()))
     print(text)
     if options.json:
