@@ -129,7 +129,7 @@ _NESTED = {
         buffer_bytes=COUNT, total_parameter_bytes=COUNT, total_parameter_count=COUNT,
         repeated=FLAG, root=FLAG)),
     "steps": list_of(record(
-        ("index",), index=COUNT, start_ns=COUNT, end_ns=COUNT, duration_s=maybe(NUMBER),
+        ("index", "duration_s"), index=COUNT, start_ns=COUNT, end_ns=COUNT, duration_s=NUMBER,
         peak_bytes=COUNT, cuda_max_allocated_bytes=maybe(COUNT),
         cuda_max_reserved_bytes=maybe(COUNT))),
     "optimizers": list_of(record(
