@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -176,10 +177,12 @@ def measure(path: str, gpus: int, gpu: str, budget: str) -> dict:
     cpu_started = time.process_time()
     trace = read_trace(path)
     loaded = time.perf_counter()
+    cpu_loaded = time.process_time()
     events = len(trace.events)
     base = prepare(trace)
     release_events(trace)  # as the command does
     prepared = time.perf_counter()
+    cpu_prepared = time.process_time()
     result = advise(base, hardware(gpu), parse_bytes(budget), gpus)
     done = time.perf_counter()
     return {"events": events, "plans": result.evaluated,
@@ -187,7 +190,9 @@ def measure(path: str, gpus: int, gpu: str, budget: str) -> dict:
             "prepare_s": prepared - loaded, "advise_s": done - prepared,
             "total_s": done - started, "cpu_s": time.process_time() - cpu_started,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "best": [p.plan.to_compact() for p in result.ranked[:3]]}
+            "best": [p.plan.to_compact() for p in result.ranked[:3]],
+            "cpu_parts_s": {"read": cpu_loaded - cpu_started, "prepare": cpu_prepared - cpu_loaded,
+                            **result.cpu_seconds}}
 
 
 def run(events: int, gpus: int, gpu: str, budget: str, folder: str) -> dict:
@@ -239,6 +244,20 @@ def main(argv=None):
               f"{r['cpu_s']:.2f} | {1e3 * r['advise_s'] / max(r['plans'], 1):.2f} | "
               f"{r['peak_rss_bytes'] / 1e9:.2f} GB | "
               f"{r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f} |")
+    parts = list(results[0]["cpu_parts_s"])
+    print("\nCPU seconds by part (the plans shown and their micro-batch checks depend on which "
+          "plans win, which changes with the trace)\n")
+    print("| events | " + " | ".join(parts) + " | best plans |")
+    print("|---:|" + "---:|" * len(parts) + "---|")
+    for r in results:
+        print(f"| {r['events']:,} | " + " | ".join(f"{r['cpu_parts_s'][p]:.2f}" for p in parts)
+              + f" | {'; '.join(r['best'])} |")
+    for a, b in zip(results, results[1:]):
+        ratio = b["events"] / a["events"]
+        growth = {p: math.log(max(b["cpu_parts_s"][p], 1e-9) / max(a["cpu_parts_s"][p], 1e-9))
+                  / math.log(ratio) for p in parts}
+        print(f"\n{a['events']:,} -> {b['events']:,} events: CPU time grows as events^x, x = "
+              + ", ".join(f"{p} {x:.2f}" for p, x in growth.items()))
     missed = 0
     print()
     for r in results:

@@ -11,6 +11,7 @@ trace, against ~3 ms per plan for the fast replay).  A plan fits when its reserv
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -33,6 +34,9 @@ class SearchResult:
     budget_bytes: int
     usable_bytes: int
     max_micro_batch: dict[str, int] = field(default_factory=dict)
+    #: CPU seconds of each part of the search: the fast pass over every plan, the plans
+    #: shown (exact replay, allocator model), the largest micro-batch of the best three
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _divisors_upto(n: int, limit: int) -> list[int]:
@@ -112,6 +116,7 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     rejected: list[tuple[Plan, str]] = []
     fitting: list[Prediction] = []
     too_big: list[Prediction] = []
+    started = time.process_time()
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
     outcomes: list = [None] * len(plans)  #: per plan: its Prediction or (plan, why rejected)
@@ -126,6 +131,7 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
         except PlanError as exc:
             outcomes[index] = (plan, str(exc))
     stage_keys = _fast_pass(base, hw, plans, by_layout, cache, outcomes)
+    cpu_seconds = {"fast pass": time.process_time() - started}
     for outcome in outcomes:  # in candidate order, as ties in the ranking are broken
         if isinstance(outcome, tuple):
             rejected.append(outcome)
@@ -151,11 +157,13 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     # the same order as the fast pass (both price every term alike), after the allocator
     # model has dropped plans whose reserved memory does not fit
     ranked.sort(key=key)
+    cpu_seconds["plans shown"] = time.process_time() - started - sum(cpu_seconds.values())
     sizes = _in_layout_order(base, hw, [p.plan for p in ranked[:3]], cache, stage_keys,
                              lambda plan: max_micro_batch(
                                  base, plan, hw, usable, cache=cache, bounds_cache={},
                                  expandable_segments=expandable_segments))
     best = {p.plan.to_compact(): size for p, size in zip(ranked[:3], sizes)}
+    cpu_seconds["micro-batch"] = time.process_time() - started - sum(cpu_seconds.values())
     if not ranked:
         smallest = min(too_big, key=lambda p: p.reserved_bytes or p.peak_bytes, default=None)
         need = (f"; the smallest plan ({smallest.plan}) needs "
@@ -164,7 +172,8 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
         hint = "" if allow >= set(SEMANTIC) else " or --allow bf16,optimizer"
         raise UserError(f"no plan fits {format_bytes(budget_bytes)} with a {margin:.0%} margin "
                         f"on {gpus} GPU(s){need}: raise --budget, add --gpus{hint}")
-    return SearchResult(ranked, rejected, too_big, len(plans), budget_bytes, usable, best)
+    return SearchResult(ranked, rejected, too_big, len(plans), budget_bytes, usable, best,
+                        cpu_seconds)
 
 
 def _fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
