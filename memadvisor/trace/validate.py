@@ -58,6 +58,13 @@ def maybe(spec):
     return lambda value: None if value is None else spec(value)
 
 
+def either(*specs):
+    def check(value):
+        problems = [spec(value) for spec in specs]
+        return None if None in problems else problems[0]
+    return check
+
+
 def list_of(spec, length: int | None = None):
     def check(value):
         if not isinstance(value, list):
@@ -86,12 +93,13 @@ def row(*specs):
     return check
 
 
-def mapping(spec):
+def mapping(spec, **special):
+    """An object whose values all have ``spec``, but for the ``special`` keys."""
     def check(value):
         if not isinstance(value, dict):
             return f"is {_short(value)}, not an object"
         for key, item in value.items():
-            problem = spec(item)
+            problem = special.get(key, spec)(item)
             if problem:
                 return f".{key}{_joined(problem)}"
         return None
@@ -150,10 +158,12 @@ _NESTED = {
         float16=_PROBE_DIRECTIONS,
         calls=mapping(mapping(record(
             (), raw=list_of(row(COUNT, COUNT, COUNT)), typed=list_of(row(TEXT, COUNT)),
-            length=COUNT)))))),
+            length=COUNT))))),
+        skipped=TEXT),  # {'skipped': why}: the run ended before probing
     # an imported snapshot's allocator record (snapshot/importer.py)
     "allocator": record(
-        (), source=TEXT, settings=mapping(_any),
+        # settings: a snapshot's allocator_settings, or a CUDA run's PYTORCH_CUDA_ALLOC_CONF
+        (), source=TEXT, settings=either(mapping(_any), TEXT),
         initial_segments=list_of(record(("address", "total_size", "small"),
                                         address=COUNT, total_size=COUNT, small=_any,
                                         stream=INTEGER)),
