@@ -92,13 +92,14 @@ class _Column:
 class _Additions:
     """What one data-parallel mode adds, placed on this layout's event axis."""
 
-    def __init__(self, layout: "LayoutBounds", rows: dict, sorted_keys: np.ndarray):
+    def __init__(self, layout: "LayoutBounds", rows: dict, keys_of: np.ndarray,
+                 event_order: np.ndarray):
         sizes = rows["size"]
         keys = np.concatenate([rows["alloc_key"], rows["free_key"] - FREE_FIRST])
         signed = np.concatenate([sizes, -sizes])
         order = np.argsort(keys, kind="stable")  # as ``replay._merge_order`` inserts them
         self.keys = keys[order]
-        self.positions = np.searchsorted(sorted_keys, self.keys, side="right")
+        self.positions = _sorted_search(keys_of, event_order, self.keys, "right")
         self.running = np.cumsum(signed[order])  # added bytes alive after each added event
         self.slot = np.searchsorted(layout.slot_positions, self.positions)
         self.before = _running_before(self.positions, self.running, layout.starts)
@@ -141,7 +142,7 @@ class LayoutBounds:
         order = timeline.order()
         is_alloc = order >= rows
         row = np.where(is_alloc, order - rows, order)
-        sorted_keys = timeline.sort_keys()[order]
+        keys_of = timeline.sort_keys()  # by event index; placed through ``order`` on demand
         self.sign = np.where(is_alloc, 1, -1).astype(np.int8)
         self.event_size = timeline.size[row]
         self.groups = row_groups(timeline)
@@ -161,7 +162,7 @@ class LayoutBounds:
                          for kind in kinds}
         keys = np.concatenate([np.concatenate([r["alloc_key"], r["free_key"] - FREE_FIRST])
                                for r in additions.values()])
-        self.slot_positions = np.unique(np.searchsorted(sorted_keys, keys, side="right"))
+        self.slot_positions = np.unique(_sorted_search(keys_of, order, keys, "right"))
         n = len(order)
         self.n = n
         self.segment = segment_keys(timeline)
@@ -169,8 +170,8 @@ class LayoutBounds:
         cuts = [np.arange(0, n, CHUNK), self.slot_positions[self.slot_positions < n]]
         if self.segment is not None:
             start, end = self.segment
-            w0, w1 = (int(i) for i in np.searchsorted(sorted_keys,
-                                                      [start - 1e-6, end - 1e-6]))
+            w0, w1 = (int(i) for i in _sorted_search(keys_of, order,
+                                                     np.array([start - 1e-6, end - 1e-6])))
             if w1 > w0:
                 self.window = (w0, w1)
                 _, outliving, released = _masks(timeline, start, end)
@@ -186,19 +187,28 @@ class LayoutBounds:
                 self.group_outliving = [outliving_rows[self.groups[outliving_rows] == g]
                                         for g in range(GROUPS)]
                 cuts += [np.array([w0, w1])]
-        del order, is_alloc, row, by_group
+        del is_alloc, row, by_group
         starts = np.unique(np.concatenate(cuts))
         self.starts = starts[(starts >= 0) & (starts < n)] if n else np.zeros(0, np.int64)
         self.ends = np.append(self.starts[1:], n)
+        # each chunk's first event within each group's run: one counting pass for all groups
+        # (a binary search per chunk and column missed the cache on long traces)
+        chunk = np.repeat(np.arange(len(self.starts), dtype=np.int32),
+                          (self.ends - self.starts)[:len(self.starts)])
+        counts = np.bincount(chunk.astype(np.int64) * GROUPS + self.event_group,
+                             minlength=len(self.starts) * GROUPS).reshape(-1, GROUPS)
+        del chunk
+        self.heads = np.cumsum(counts, axis=0) - counts
         if self.window is not None:
             w0, w1 = self.window
             inside = (self.starts >= w0) & (self.starts < w1)
             self.mid_starts = self.starts[inside]
             self.mid_ends = self.ends[inside]
+            self.mid_chunks = np.flatnonzero(inside)
         self.columns: dict[tuple[int, int], _Column] = {}
         self.additions = {"none": None}
         for kind, rows_added in additions.items():
-            self.additions[kind] = _Additions(self, rows_added, sorted_keys) \
+            self.additions[kind] = _Additions(self, rows_added, keys_of, order) \
                 if len(rows_added["size"]) else None
         if "ddp" in self.additions:
             self.additions["zero1"] = self.additions["ddp"]
@@ -216,7 +226,8 @@ class LayoutBounds:
         size = _shrunk(self.grouped_size[first:last], ranks)
         sign = self.grouped_sign[first:last]
         cum = np.cumsum(sign * size)
-        column.before, column.max = _chunk_stats(events, cum, self.starts, cum)
+        heads = self.heads[:, group]
+        column.before, column.max = _chunk_stats(heads, len(events), cum, cum)
         column.at = _value_after(events, cum, self.slot_positions - 1)
         if self.window is not None:
             w0, w1 = self.window
@@ -233,7 +244,7 @@ class LayoutBounds:
             step = np.where(flags != 0, 0.0, sign[i0:i1] * window_size)
             mid_cum = entering + np.cumsum(step)
             column.mid_before, column.mid_max = _chunk_stats(
-                window_events, mid_cum, self.mid_starts, mid_cum + bump, entering)
+                heads[self.mid_chunks] - i0, i1 - i0, mid_cum, mid_cum + bump, entering)
             slots = np.clip(self.slot_positions, w0, w1) - 1
             column.mid_at = np.where(self.slot_positions <= w0, entering,
                                      _value_after(window_events, mid_cum, slots, entering))
@@ -332,15 +343,34 @@ def _value_after(events: np.ndarray, cum: np.ndarray, positions: np.ndarray,
     return np.where(count > 0, cum[np.maximum(count - 1, 0)], initial)
 
 
-def _chunk_stats(events, cum, starts, peaks, initial: float = 0.0):
-    """(value before each chunk, an upper bound of the value after any event in it); a chunk
-    runs from its start to the next one's (the last: past every event)."""
-    heads = np.searchsorted(events, starts)  # each chunk's first event (of this column)
+def _chunk_stats(heads, count, cum, peaks, initial: float = 0.0):
+    """(value before each chunk, an upper bound of the value after any event in it) of a
+    column of ``count`` events; ``heads``: each chunk's first event among them (a chunk
+    runs to the next one's, the last past every event)."""
     if not len(cum):
-        before = np.full(len(starts), initial)
+        before = np.full(len(heads), initial)
         return before, before.copy()
     before = np.where(heads > 0, cum[np.maximum(heads - 1, 0)], initial)
     top = before.copy()
-    nonempty = np.diff(np.append(heads, len(events))) > 0
+    nonempty = np.diff(np.append(heads, count)) > 0
     top[nonempty] = np.maximum(top[nonempty], np.maximum.reduceat(peaks, heads[nonempty]))
     return before, top
+
+
+def _sorted_search(keys: np.ndarray, order: np.ndarray, queries: np.ndarray,
+                   side: str = "left") -> np.ndarray:
+    """``np.searchsorted(keys[order], queries, side)`` without gathering ``keys[order]``
+    (a layout only places a few hundred keys on its event axis): a binary search per
+    query, all queries at once."""
+    queries = np.asarray(queries, dtype=np.float64)
+    low = np.zeros(len(queries), np.int64)
+    high = np.full(len(queries), len(order), np.int64)
+    while True:
+        active = low < high
+        if not active.any():
+            return low
+        middle = (low + high) // 2
+        value = keys[order[np.minimum(middle, len(order) - 1)]]
+        after = value <= queries if side == "right" else value < queries
+        low = np.where(active & after, middle + 1, low)
+        high = np.where(active & ~after, middle, high)
