@@ -17,6 +17,9 @@ dimension is
 * another multiple of ``B`` (B*heads, ...) in a tensor of two or more dimensions *and*
   the shape is not a parameter's shape
   (so weight-shaped temporaries of backward, e.g. an embedding's dense gradient, stay);
+* its first dimension is a count a value-counting op made in forward (``nonzero``: the
+  tokens a mixture-of-experts router sends to one expert), and the shape is not a
+  parameter's;
 * a shape that is both (a) and a parameter's ((B*T, C) where the vocabulary is B*T) scales
   unless the row ends where a gradient of that shape is made from it (a tied weight's
   gradient from one of its uses, an embedding's dense gradient);
@@ -109,7 +112,9 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
         prefixes = batch_prefixes(batch)
         sequence_first = (_after_prefix(shapes, prefixes, size) & ~is_param_shape
                           if prefixes else np.zeros(len(shapes), bool))
-        by_shape = exact | other | sequence_first
+        routed = (np.isin(first, list(_routed_extents(timeline))) & ~is_param_shape
+                  & (first > 1))
+        by_shape = exact | other | sequence_first | routed
         raw = timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
         # a storage resized in place (FSDP's unsharded parameters) records its byte count
         # as its shape: no tensor shape to go by
@@ -127,6 +132,21 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
     out = timeline.resized(timeline.size)
     out.scales_with_batch = flags
     return out
+
+
+#: ops whose output's extent is a count of the data's values (``torch.where(mask)``)
+_VALUE_COUNT_OPS = ("aten::nonzero", "aten::masked_select", "aten::_unique2",
+                    "aten::unique_dim", "aten::unique_consecutive")
+
+
+def _routed_extents(timeline: Timeline) -> set[int]:
+    """First dimensions of what value-counting ops made in forward: the tokens a
+    mixture-of-experts router sends to each expert (``torch.where(expert_mask)``) -- a
+    share of the batch's tokens, so the expert's (n_e, d) tensors scale with the batch (in
+    expectation: which tokens go where changes with the data)."""
+    rows = np.flatnonzero(timeline.op_in(_VALUE_COUNT_OPS)
+                          & (timeline.phase == PHASE_CODE[schema.FORWARD]))
+    return {int(text.split(",")[0]) for text in timeline.shape[rows].astype(str) if text}
 
 
 def _gradient_contributions(timeline: Timeline, rows: np.ndarray) -> np.ndarray:
