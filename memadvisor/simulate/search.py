@@ -2,11 +2,11 @@
 
 Plans are every combination of the knobs below that ``plan.Plan`` accepts and the target
 hardware can run.  Techniques that change training semantics (``bf16``, an optimizer
-swap) are enumerated only when allowed.  Every candidate gets the fast replay (peak of
-requested bytes, a cached event order per lifetime layout); the allocator model (reserved
-memory) runs for every plan shown (the best ``top`` that fit; ~0.2 s each on a 1M-event
-trace, against ~3 ms per plan for the fast replay).  A plan fits when its reserved
-(or, without an allocator, peak) bytes are at most ``budget * (1 - margin)``.
+swap) are enumerated only when allowed.  Every candidate gets the fast pass (peak of
+requested bytes from its lifetime layout's bounds, ``bounds.LayoutBounds``; the layouts one
+at a time, ``_fast_pass``, so memory holds one of them); the allocator model (reserved
+memory) runs for every plan shown (the best ``top`` that fit).  A plan fits when its
+reserved (or, without an allocator, peak) bytes are at most ``budget * (1 - margin)``.
 """
 from __future__ import annotations
 
