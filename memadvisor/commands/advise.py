@@ -90,8 +90,8 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
 
 def release_events(trace) -> None:
     """Give the trace's event table back once the baseline is made: pyarrow's allocator
-    keeps what reading freed (~0.85 GB at 5M events, ``benchmarks/advise_speed.py``) until
-    asked, and the plan search never reads the events again."""
+    keeps what reading freed until asked, and the plan search never reads the events
+    again."""
     import pyarrow
 
     trace.events = trace.events.iloc[:0]
