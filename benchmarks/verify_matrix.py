@@ -76,6 +76,19 @@ def _simulate(trace: Path, plan: str, *options) -> tuple[dict | None, str]:
     return data, ""
 
 
+def measured_runs(trace: Path, plan: str, fsdp_runs: int) -> tuple[list[int], str]:
+    """The plan run for real (``apply --profile``): the worst rank's peak of each run --
+    ``fsdp_runs`` runs for FSDP plans (gloo frees collective buffers when its thread is
+    scheduled) -- or the reason it could not be measured."""
+    peaks = []
+    for _ in range(fsdp_runs if plan.startswith(FSDP) else 1):
+        real, why = _simulate(trace, plan, "--verify", "--verify-by", "real")
+        if why:
+            return peaks, why
+        peaks.append(real["verification"]["executed_peak_bytes"])
+    return peaks, ""
+
+
 def gpu_case(script, trace: Path, plan: str, gpu: str) -> dict:
     """``--gpu-only``: the analytic and the fake-executed peak on ``gpu`` (nothing here can
     measure a GPU: the executed figure is the reference)."""
@@ -128,12 +141,9 @@ def run_case(script, trace: Path, plan: str, gpu: str | None, fsdp_runs: int) ->
     if why:
         return {**row, "skipped": f"executed: {why}"}
     row["executed"] = executed["verification"]["executed_peak_bytes"]
-    measured = []
-    for _ in range(fsdp_runs if plan.startswith(FSDP) else 1):
-        real, why = _simulate(trace, plan, "--verify", "--verify-by", "real")
-        if why:
-            return {**row, "skipped": f"measured: {why}"}
-        measured.append(real["verification"]["executed_peak_bytes"])
+    measured, why = measured_runs(trace, plan, fsdp_runs)
+    if why:
+        return {**row, "skipped": f"measured: {why}"}
     row["measured"] = max(measured)
     row["measured_runs"] = measured
     if gpu:
@@ -161,12 +171,9 @@ def advise_case(script, trace: Path, fraction: float, fsdp_runs: int) -> dict:
     shown = data["plans"][data["best"]]
     plan = shown["plan_compact"]
     row.update(plan=plan, predicted=shown["peak_bytes"])
-    measured = []
-    for _ in range(fsdp_runs if plan.startswith(FSDP) else 1):
-        real, why = _simulate(trace, plan, "--verify", "--verify-by", "real")
-        if why:
-            return {**row, "skipped": f"measured: {why}"}
-        measured.append(real["verification"]["executed_peak_bytes"])
+    measured, why = measured_runs(trace, plan, fsdp_runs)
+    if why:
+        return {**row, "skipped": f"measured: {why}"}
     row["measured"] = max(measured)
     row["over_budget"] = (row["measured"] - budget) / budget
     return row

@@ -11,14 +11,12 @@ several backward passes (dcgan), a closure that makes the gradients several time
 """
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-from zoo_scripts import zoo_scripts
+from zoo_scripts import load_benchmark, zoo_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {s.name: s for s in zoo_scripts()}
@@ -28,12 +26,7 @@ CASES = [("kwargs_model", "accum=2"), ("dcgan", "optimizer=sgd"),
 
 
 def _matrix():
-    spec = importlib.util.spec_from_file_location("verify_matrix",
-                                                  ROOT / "benchmarks" / "verify_matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("verify_matrix", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("verify_matrix")
 
 
 @pytest.fixture(scope="module")

@@ -8,25 +8,18 @@ applied or wrong.  About 40 s per script on 2 cores; framework scripts skip with
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-from zoo_scripts import zoo_scripts
+from zoo_scripts import load_benchmark, zoo_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {s.name: s for s in zoo_scripts()}
 
 
 def _matrix():
-    spec = importlib.util.spec_from_file_location("zoo_matrix",
-                                                  ROOT / "benchmarks" / "zoo_matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("zoo_matrix", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("zoo_matrix")
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
