@@ -126,7 +126,9 @@ def check_plans(data: dict, result, script, meta, hw, verify_count: int) -> bool
     if script is None:
         data["best"] = 0 if data["plans"] else None
         return False
-    refused = apply_refusals(script, [p.plan for p in result.ranked])
+    # on the CPU target: also what the rewritten script would stop at there (FSDP under a
+    # framework needs CUDA)
+    refused = apply_refusals(script, [p.plan for p in result.ranked], hw.device_type)
     candidates = []
     for index, (shown, prediction) in enumerate(zip(data["plans"], result.ranked)):
         shown["apply_refused"] = refused.get(prediction.plan.to_compact())

@@ -133,7 +133,8 @@ def _apply_refusals(trace: Trace, plans) -> dict[str, str]:
         script = recorded_script(trace.meta, trace.path or "trace")
     except UserError:
         return {}
-    return apply_refusals(script, plans)
+    recorded_on = "cuda" if str(trace.meta.device).startswith("cuda") else "cpu"
+    return apply_refusals(script, plans, recorded_on)  # the report ranks for that device
 
 
 def timeline_pairs(timeline) -> list[tuple[float, int]] | None:

@@ -82,12 +82,18 @@ def baseline_as_applied(trace):
     return base
 
 
-def apply_refusals(script: RecordedScript, plans) -> dict[str, str]:
+def apply_refusals(script: RecordedScript, plans, device_type: str | None = None
+                   ) -> dict[str, str]:
     """Plan (compact text) -> why ``apply`` cannot rewrite the script for it, for the
-    plans it refuses (the rewrite only: nothing runs)."""
+    plans it refuses (the rewrite only: nothing runs).  ``device_type='cpu'``: also the
+    plans the rewritten script would stop at its start on a machine without a GPU (a
+    framework's FSDP)."""
+    from ..apply.frameworks.probe import cpu_target_refusal
     refused = {}
     for plan in plans:
-        _, why = rewritten(script, plan)
+        code, why = rewritten(script, plan)
+        if not why and device_type == "cpu":
+            why = cpu_target_refusal(code)
         if why:
             refused[plan.to_compact()] = why
     return refused

@@ -84,3 +84,19 @@ def test_a_zero_grad_apply_leaves_in_place_is_predicted_in_place(tmp_path, clear
          "-q", "--profile", "applied.trace", "--profile-steps", "3", cwd=tmp_path)
     measured = read_trace(tmp_path / "applied.trace").meta.steps[-1]["peak_bytes"]
     assert abs(predicted - measured) / measured < 0.005, (predicted, measured)
+
+
+def test_a_framework_plan_that_needs_cuda_is_refused_for_the_cpu_target():
+    """accelerate, Lightning and the HF Trainer shard with FSDP only on CUDA: ranking such a
+    plan first for a CPU target recommended a plan whose run stops at its first line."""
+    from memadvisor.plan import Plan
+    from memadvisor.verify import apply_refusals
+    from memadvisor.verify.script import RecordedScript
+    path = CHECKOUT / "zoo" / "accelerate_loop.py"
+    script = RecordedScript(path=path, args=[], cwd=path.parent, source=path.read_text())
+    plans = [Plan.parse("shard=zero2,world=2"), Plan.parse("accum=2")]
+    assert apply_refusals(script, plans) == {}
+    refused = apply_refusals(script, plans, "cpu")
+    assert list(refused) == ["shard=zero2,world=2"]
+    assert "needs CUDA GPUs" in refused["shard=zero2,world=2"]
+    assert apply_refusals(script, plans, "cuda") == {}

@@ -203,10 +203,27 @@ def machine_problems(plan: Plan, framework: str) -> list[str]:
         bf16_supported=torch.cuda.is_bf16_supported() if device_type == "cuda" else True,
         bitsandbytes_available=importlib.util.find_spec("bitsandbytes") is not None))
     if plan.uses_fsdp and device_type != "cuda":
-        problems.insert(0, f"shard={plan.shard} under {LABELS[framework]} needs CUDA GPUs "
-                           f"and this machine has none: {FSDP_ON_CPU[framework]}; use shard=ddp "
-                           "here")
+        problems.insert(0, _fsdp_needs_cuda(plan, framework))
     return problems
+
+
+def _fsdp_needs_cuda(plan: Plan, framework: str) -> str:
+    return (f"shard={plan.shard} under {LABELS[framework]} needs CUDA GPUs and this machine "
+            f"has none: {FSDP_ON_CPU[framework]}; use shard=ddp here")
+
+
+def cpu_target_refusal(code: str) -> str | None:
+    """For a framework script rewritten for a plan (``code``), why the plan cannot run on a
+    CPU-only machine (the framework shards with FSDP only on CUDA), or None: what the
+    rewritten script's ``expect_plan`` would stop with there, known before running it."""
+    match = _EXPECT.search(code)
+    if match is None:
+        return None
+    plan, framework = (ast.literal_eval(group) for group in match.groups())
+    plan = Plan.parse_spec(plan)
+    if framework in LABELS and plan.uses_fsdp:
+        return _fsdp_needs_cuda(plan, framework)
+    return None
 
 
 _EXPECT = re.compile(r"\.expect_plan\((\"[^\"]*\"), framework=(\"[^\"]*\")\)")
