@@ -166,15 +166,20 @@ def _gradient_contributions(timeline: Timeline, rows: np.ndarray) -> np.ndarray:
 
 
 def _sized_like_batch_rows(timeline: Timeline, flags: np.ndarray) -> np.ndarray:
-    """Rows whose byte size equals that of a batch-scaled tensor of the same module: a
-    kernel's raw scratch block (no shape) sized like the batch it works on (a convolution
-    backward's im2col buffer), not like the weights."""
+    """Rows whose byte size equals that of a batch-scaled tensor of the same module, or of
+    any batch-scaled tensor of the step where no parameter has that size: a kernel's raw
+    block (no shape) sized like the batch it works on (a convolution backward's im2col
+    buffer; the storage an in-place SiLU claims after oneDNN made it), not like the
+    weights."""
     scaled = np.flatnonzero(flags)
     if not len(scaled):
         return np.zeros(len(timeline), bool)
     width = int(timeline.size.max()) + 1
     keys = timeline.module.astype(np.int64) * width + timeline.size.astype(np.int64)
-    return np.isin(keys, keys[scaled])
+    parameter_sizes = timeline.size[timeline.category_mask(schema.PARAMETER,
+                                                           schema.GRADIENT)]
+    anywhere = np.setdiff1d(timeline.size[scaled], parameter_sizes)
+    return np.isin(keys, keys[scaled]) | np.isin(timeline.size, anywhere)
 
 
 def parameter_shapes(timeline: Timeline) -> set[str]:
