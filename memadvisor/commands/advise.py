@@ -60,13 +60,30 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     hw = target_hardware(gpu, trace.meta.device, expandable_segments)
     script = _script(trace, trace_path, required=bool(verify_count))
     allowed = {a.strip() for a in allow.split(",") if a.strip()}
-    result = advise(base, hw, budget_bytes, gpus, margin=margin, allow=allowed, top=top,
-                    expandable_segments=expandable_segments, objective=objective or "cost")
-    data = advise_dict(base, result, hw)
-    data["objective"] = objective or "cost"
-    # unasked, a script that fits is left as it is: every plan changes something
-    data["keep_as_is"] = objective is None and data["baseline_peak_bytes"] <= result.usable_bytes
-    checked = check_plans(data, result, script, trace.meta, hw, verify_count)
+    shown = top
+    while True:
+        result = advise(base, hw, budget_bytes, gpus, margin=margin, allow=allowed, top=shown,
+                        expandable_segments=expandable_segments, objective=objective or "cost")
+        data = advise_dict(base, result, hw)
+        data["objective"] = objective or "cost"
+        # unasked, a script that fits is left as it is: every plan changes something
+        data["keep_as_is"] = (objective is None
+                              and data["baseline_peak_bytes"] <= result.usable_bytes)
+        checked = check_plans(data, result, script, trace.meta, hw, verify_count)
+        # every plan shown refused by apply for this script (a framework's FSDP on the CPU):
+        # look further down the ranking for one it can realise, as far as all that fit
+        if (data["best"] is not None or not checked or data["keep_as_is"] or verify_count
+                or len(result.ranked) < shown):
+            break
+        shown *= 4
+    if data["best"] is not None and data["best"] >= top:
+        # the top plans and the first one apply can realise; the refused ones in between
+        # are counted, not shown
+        found = data["best"]
+        data["refused_not_shown"] = found - top
+        data["plans"] = data["plans"][:top] + [data["plans"][found]]
+        result.ranked[:] = result.ranked[:top] + [result.ranked[found]]
+        data["best"] = top
     best = data["best"]
     if data["keep_as_is"]:
         best = data["best"] = None
@@ -81,8 +98,10 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
                             f"{getattr(exc, 'strerror', None) or exc}") from None
     click.echo(json.dumps(data, indent=2) if as_json else safe_text(advise_text(data)))
     if best is None and checked and not data["keep_as_is"]:
-        what = "fits when executed" if verify_count else "can be applied to this script"
-        raise UserError(f"none of the plans shown {what}"
+        what = ("of the plans shown fits when executed" if verify_count else
+                f"of the {len(result.ranked)} plans that fit can be applied to this script "
+                "(apply's reasons above)")
+        raise UserError(f"none {what}"
                         + (f"; nothing written to {save_plan}" if save_plan else ""),
                         exit_code=1)
     return 0

@@ -100,3 +100,23 @@ def test_a_framework_plan_that_needs_cuda_is_refused_for_the_cpu_target():
     assert list(refused) == ["shard=zero2,world=2"]
     assert "needs CUDA GPUs" in refused["shard=zero2,world=2"]
     assert apply_refusals(script, plans, "cuda") == {}
+
+
+def test_advise_looks_past_plans_apply_refuses(tmp_path):
+    """When the plans shown are all refused for the script (accelerate's FSDP on a CPU),
+    advise looks further down the ranking and shows the first one apply can realise."""
+    pytest.importorskip("accelerate")
+    script = CHECKOUT / "zoo" / "accelerate_loop.py"
+    _cli("profile", str(script), "-o", "base.trace", "--steps", "3", "-q", cwd=tmp_path)
+    peak = read_trace(tmp_path / "base.trace").meta.steps[-1]["peak_bytes"]
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "memadvisor.cli", "advise", "base.trace",
+                           "--budget", str(int(0.52 * peak)), "--gpus", "2", "--top", "2",
+                           "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    data = json.loads(proc.stdout)
+    best = data["best"]
+    assert best is not None and proc.returncode == 0, proc.stderr
+    assert data["plans"][best]["apply_refused"] is None
+    assert all(p["apply_refused"] for p in data["plans"][:best]) and best >= 2
+    assert len(data["plans"]) == best + 1
