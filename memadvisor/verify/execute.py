@@ -125,11 +125,11 @@ def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks)
     where = f"fake tensors on {device}{ranks_text}, {steps} step{'s' if steps > 1 else ''}"
     verification = Verification(plan=plan, method="fake", where=where)
     if gpu is None:
-        # measured, not assumed: over the zoo the fake CPU run missed the real one by 14% at
+        # measured, not assumed: over the zoo the fake CPU run missed the real one by 7% at
         # the median (kernel scratch, placeholder values steering data-dependent code)
         verification.warnings.append(
             "fake execution on the CPU is not the CPU's figure: over the script zoo it was "
-            "14% off the real run at the median, up to 152% (docs/ACCURACY.md); the real run "
+            "7% off the real run at the median, up to 152% (docs/ACCURACY.md); the real run "
             "(--verify-by real, the default on the CPU) is")
     with tempfile.TemporaryDirectory(prefix="memadvisor-verify-") as folder:
         for rank in chosen:
