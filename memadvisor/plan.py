@@ -404,9 +404,8 @@ def resolve_checkpoint_per_root(plan: Plan, modules: Iterable[Any]) -> list[str]
         inside = [m for m in entries if (root == "" or m.path == root
                                          or m.path.startswith(root + "."))
                   and not any(m.path == r or m.path.startswith(r + ".") for r in others)]
-        relative = [ModuleEntry(m.path[len(root) + 1:] if root and m.path != root else
-                                ("" if m.path == root else m.path), m.type,
-                                m.total_parameter_count) for m in inside]
+        relative = [ModuleEntry("" if m.path == root else m.path[len(root) + 1:] if root
+                                else m.path, m.type, m.total_parameter_count) for m in inside]
         try:
             paths = resolve_checkpoint(plan, relative)
         except PlanError as exc:

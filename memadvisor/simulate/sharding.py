@@ -22,6 +22,7 @@ copies of them are modelled (``_fsdp_rows``); NCCL's internal buffers are outsid
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -167,21 +168,15 @@ def gradient_bytes(timeline: Timeline) -> float:
     grad = timeline.category == _GRAD
     made = grad & (timeline.phase == _BACKWARD) & (timeline.alloc_key >= 0)
     if not made.any():
-        made = grad & (timeline.alloc_key < 0) if (grad & (timeline.alloc_key < 0)).any() else grad
-    rows = np.flatnonzero(made)
-    params = np.flatnonzero(timeline.category == _PARAM)
-    keys = [(int(timeline.module[r]), float(timeline.size[r])) for r in rows]
-    limit: dict = {}
-    for r in params:
-        key = (int(timeline.module[r]), float(timeline.size[r]))
-        limit[key] = limit.get(key, 0) + 1
-    counted: dict = {}
-    total = 0.0
-    for r, key in zip(rows.tolist(), keys):
-        counted[key] = counted.get(key, 0) + 1
-        if key not in limit or counted[key] <= limit[key]:
-            total += float(timeline.size[r])
-    return total
+        before = grad & (timeline.alloc_key < 0)
+        made = before if before.any() else grad
+
+    def by_module_and_size(mask):
+        return Counter(zip(timeline.module[mask].tolist(), timeline.size[mask].tolist()))
+
+    parameters = by_module_and_size(timeline.category == _PARAM)
+    return float(sum(size * min(count, parameters.get((module, size), count))
+                     for (module, size), count in by_module_and_size(made).items()))
 
 
 def shard_additions(timeline: Timeline, shard: str, blocks: list[str],

@@ -216,17 +216,22 @@ def cpu_target_refusal(code: str) -> str | None:
     """For a framework script rewritten for a plan (``code``), why the plan cannot run on a
     CPU-only machine (the framework shards with FSDP only on CUDA), or None: what the
     rewritten script's ``expect_plan`` would stop with there, known before running it."""
-    match = _EXPECT.search(code)
-    if match is None:
+    expected = _expected_plan(code)
+    if expected is None or not expected[0].uses_fsdp:
         return None
-    plan, framework = (ast.literal_eval(group) for group in match.groups())
-    plan = Plan.parse_spec(plan)
-    if framework in LABELS and plan.uses_fsdp:
-        return _fsdp_needs_cuda(plan, framework)
-    return None
+    return _fsdp_needs_cuda(*expected)
 
 
 _EXPECT = re.compile(r"\.expect_plan\((\"[^\"]*\"), framework=(\"[^\"]*\")\)")
+
+
+def _expected_plan(text: str) -> tuple[Plan, str] | None:
+    """The (plan, framework) a rewritten framework script's ``expect_plan`` call names."""
+    match = _EXPECT.search(text)
+    if match is None:
+        return None
+    plan, framework = (ast.literal_eval(group) for group in match.groups())
+    return (Plan.parse_spec(plan), framework) if framework in LABELS else None
 
 
 def refuse_before_launch(script) -> None:
@@ -236,12 +241,9 @@ def refuse_before_launch(script) -> None:
         text = open(script, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError):
         return
-    match = _EXPECT.search(text)
-    if match is None:
-        return
-    plan, framework = (ast.literal_eval(group) for group in match.groups())
-    if framework in LABELS:
-        problems = machine_problems(Plan.parse_spec(plan), framework)
+    expected = _expected_plan(text)
+    if expected is not None:
+        problems = machine_problems(*expected)
         if problems:
             raise PlanError(problems[0])
 
