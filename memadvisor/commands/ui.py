@@ -36,16 +36,24 @@ def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_bro
         click.echo(f"memadvisor: warning: serving on {host or 'every interface'} without "
                    "authentication: anyone who reaches the port sees the trace", err=True)
     from ..ui import data as ui_data
+    from ..ui import memory
     from ..ui.app import build_app
     from ..ui.server import bind, one_line_errors, serve, should_open_browser
-    from ..ui.views import Dashboard
+    from ..ui.plans import PlanAdvisor
+    from ..ui.views import Dashboard, start_ranking
 
     budget_bytes = parse_bytes(budget) if budget is not None else None
+    memory.bound_malloc()  # a server that runs for hours keeps its memory where it started
     server = bind(host, port)  # a taken port fails before the traces are read
     try:
-        data = ui_data.load(trace_path, baseline_path)
-        board = Dashboard(data, budget_bytes=budget_bytes, num_gpus=num_gpus, gpu=gpu,
-                          trace_name=trace_path, baseline_name=baseline_path or "")
+        trace, baseline = ui_data.read(trace_path, baseline_path)
+        # the plans are priced in a worker from here on, while the page is made and served
+        advisor = PlanAdvisor(trace, gpu, after_job=memory.trim,
+                              close_in_worker=(server.socket.fileno(),))
+        start_ranking(advisor, budget_bytes, num_gpus)
+        board = Dashboard(ui_data.from_traces(trace, baseline), budget_bytes=budget_bytes,
+                          num_gpus=num_gpus, trace_name=trace_path,
+                          baseline_name=baseline_path or "", advisor=advisor)
         server.app.target = one_line_errors(build_app(board, budget or "").server)
     except BaseException:
         server.server_close()

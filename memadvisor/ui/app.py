@@ -10,7 +10,7 @@ from typing import Any
 
 import dash
 import dash_ag_grid as dag
-from dash import Input, Output, State, dcc, html
+from dash import Input, Output, Patch, State, dcc, html, no_update
 
 from ..units import format_bytes
 from . import data as ui_data
@@ -34,6 +34,10 @@ BYTE_FIELDS = BYTE_FIELDS | set(CHANGE_FIELDS)
 RIGHT = BYTE_FIELDS | {"count", "step_time_factor"}
 WIDE = frozenset({"plan", "changes", "code", "source", "module", "function", "name"})
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
+#: how long a request for the plan table waits for the background ranking before the page
+#: shows "ranking ..." and asks again (``plan-poll``)
+PLAN_WAIT_S = 5.0
+PLAN_POLL_MS = 200
 
 MOMENT_COLUMNS = [("bytes", "bytes"), ("category", "category"), ("op", "op"),
                   ("module", "module"), ("dtype", "dtype"), ("shape", "shape"),
@@ -139,8 +143,14 @@ def _comparison_section(board: Dashboard) -> html.Section | None:
 
 
 def layout(board: Dashboard, budget_text: str = "") -> html.Div:
+    """The page as first served: the timeline, what is alive at the peak, the sites and the
+    headline are in it already (no callback to wait for); the plan table fills in when the
+    background ranking is done."""
     meta = board.data.trace.meta
     summary = board.data.summary
+    step = board.default_step()
+    figure, caption = board.timeline_view(step, budget_text)
+    moment_caption, moment_figure, moment_rows = board.moment_view(step)
     sections = [
         html.H1("memadvisor", style={"fontSize": "22px", "marginBottom": "2px"}),
         html.Div(f"{board.trace_name}: {meta.script or '?'} on {meta.device or '?'}, "
@@ -150,23 +160,26 @@ def layout(board: Dashboard, budget_text: str = "") -> html.Div:
                style={"fontSize": "16px", "fontWeight": "600"}),
         _controls(board, budget_text),
         _section("Memory timeline",
-                 html.P(id="timeline-caption", style=META_STYLE),
-                 dcc.Loading(dcc.Graph(id="timeline", config=GRAPH_CONFIG)),
+                 html.P(caption, id="timeline-caption", style=META_STYLE),
+                 dcc.Graph(id="timeline", figure=figure, config=GRAPH_CONFIG),
+                 dcc.Store(id="timeline-unit", data=board.timeline_unit(step, budget_text)),
                  section_id="timeline-section"),
         _section("What is alive at this moment",
-                 html.P(id="moment-caption"),
+                 html.P(moment_caption, id="moment-caption"),
                  html.Div([
-                     html.Div(dcc.Graph(id="moment-breakdown", config=GRAPH_CONFIG),
+                     html.Div(dcc.Graph(id="moment-breakdown", figure=moment_figure,
+                                        config=GRAPH_CONFIG),
                               style={"flex": "1 1 380px", "minWidth": "320px"}),
-                     html.Div(_grid("moment-table", MOMENT_COLUMNS, page_size=25,
-                                    height="560px"),
+                     html.Div(_grid("moment-table", MOMENT_COLUMNS, moment_rows,
+                                    page_size=25, height="560px"),
                          style={"flex": "2 1 640px", "minWidth": "480px"}),
                  ], style={"display": "flex", "flexWrap": "wrap", "gap": "12px"}),
                  section_id="moment-section"),
         _sites_section(board),
         _section("Plans",
                  html.P(id="plan-message", style=META_STYLE),
-                 dcc.Loading(_grid("plan-table", PLAN_COLUMNS, select_by="plan")),
+                 _grid("plan-table", PLAN_COLUMNS, select_by="plan"),
+                 dcc.Interval(id="plan-poll", interval=PLAN_POLL_MS, disabled=True),
                  dcc.Loading(html.Div(id="plan-detail")),
                  section_id="plans"),
     ]
@@ -186,18 +199,26 @@ def build_app(board: Dashboard, budget_text: str = "") -> dash.Dash:
 
 
 def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
+    # the page is served with the default step's timeline, moment and headline in it:
+    # only an edit calls these
     @app.callback(Output("timeline", "figure"), Output("timeline-caption", "children"),
+                  Output("timeline-unit", "data"),
                   Input("step", "value"), Input("budget", "value"),
-                  Input("timeline", "clickData"))
-    def _timeline(step, budget, click_data):
-        # a new step has no selected moment yet: the last click belonged to the old figure
-        if dash.ctx.triggered_id == "step":
-            click_data = None
-        return board.timeline_view(step, budget, click_data)
+                  State("timeline-unit", "data"), prevent_initial_call=True)
+    def _timeline(step, budget, unit):
+        new_unit = board.timeline_unit(step, budget)
+        if dash.ctx.triggered_id == "budget" and new_unit == unit:
+            # the same data in the same unit: only the budget line moves
+            patch = Patch()
+            patch["layout"] = board.budget_layout(step, budget)
+            return patch, no_update, no_update
+        figure, caption = board.timeline_view(step, budget)
+        return figure, caption, new_unit
 
     @app.callback(Output("moment-caption", "children"), Output("moment-breakdown", "figure"),
                   Output("moment-table", "rowData"),
-                  Input("step", "value"), Input("timeline", "clickData"))
+                  Input("step", "value"), Input("timeline", "clickData"),
+                  prevent_initial_call=True)
     def _moment(step, click_data):
         # a new step starts at its peak: the last click belonged to the old figure
         if dash.ctx.triggered_id == "step":
@@ -211,23 +232,29 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
         return board.sites_view(step)
 
     @app.callback(Output("headline", "children"), Input("budget", "value"),
-                  Input("gpus", "value"))
+                  Input("gpus", "value"), prevent_initial_call=True)
     def _headline(budget, gpus):
         return board.headline_text(budget, gpus)
 
     @app.callback(Output("plan-table", "rowData"), Output("plan-message", "children"),
-                  Output("plan-table", "selectedRows"),
-                  Input("budget", "value"), Input("gpus", "value"))
-    def _plans(budget, gpus):
-        rows, message, selected = board.plans_view(budget, gpus)
-        return rows, message, [rows[i] for i in selected]
+                  Output("plan-table", "selectedRows"), Output("plan-poll", "disabled"),
+                  Input("budget", "value"), Input("gpus", "value"),
+                  Input("plan-poll", "n_intervals"))
+    def _plans(budget, gpus, _polls):
+        rows, message, selected, pending = board.plans_view(budget, gpus, PLAN_WAIT_S)
+        if pending:  # not ready yet: say so (once), and ask again shortly
+            if dash.ctx.triggered_id == "plan-poll":
+                return no_update, no_update, no_update, False
+            return [], message, [], False
+        return rows, message, [rows[i] for i in selected], True
 
     @app.callback(Output("plan-detail", "children"), Input("plan-table", "selectedRows"),
                   State("plan-table", "rowData"), State("budget", "value"))
     def _plan_detail(selected, rows, budget):
         # the grid hands back the selected row itself: its position in the ranking
-        plans = [r.get("plan") for r in rows or []]
-        index = [plans.index(r["plan"]) for r in selected or [] if r.get("plan") in plans]
+        plans = [r.get("plan") for r in rows or [] if isinstance(r, dict)]
+        index = [plans.index(r["plan"]) for r in selected or []
+                 if isinstance(r, dict) and r.get("plan") in plans]
         return plan_detail_children(*board.plan_view(index, rows, budget))
 
 

@@ -22,7 +22,7 @@ import pandas as pd
 from ..report.build import read_source_code
 from ..report.compare import compare_traces
 from ..report.timeline import StepTimeline, step_timeline
-from ..trace import analysis
+from ..trace import analysis, schema
 from ..trace.io import Trace, read_trace
 from ..trace.summary import peak_sites, shorten_paths, summarize
 
@@ -63,6 +63,7 @@ class DashboardData:
     lives: pd.DataFrame  #: one row per storage (``analysis.lifetimes``)
     baseline: Trace | None = None
     comparison: dict[str, Any] | None = None
+    _columns: dict = field(default_factory=dict, repr=False)
     _timelines: dict = field(default_factory=dict, repr=False)
     _sites: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -78,6 +79,24 @@ class DashboardData:
             if step not in self._timelines:
                 self._timelines[step] = step_timeline(self.trace, step, live=self.live)
             return self._timelines[step]
+
+    def lifetime_columns(self) -> dict[str, np.ndarray]:
+        """``lives``' columns a moment needs, as arrays (made once: a click filters these,
+        not the whole frame)."""
+        with self._lock:
+            if not self._columns:
+                lives = self.lives
+                categories = pd.Categorical(lives["category"].astype(str),
+                                            categories=list(schema.CATEGORIES))
+                self._columns.update(
+                    alloc_pos=lives["alloc_pos"].to_numpy(np.int64),
+                    free_pos=lives["free_pos"].to_numpy(np.int64),
+                    size=lives["size_bytes"].to_numpy(np.int64),
+                    counted=analysis.counted_bytes(lives),
+                    # a category the schema does not know: a bin of its own, not shown
+                    category=np.where(categories.codes < 0, len(schema.CATEGORIES),
+                                      categories.codes).astype(np.int64))
+            return self._columns
 
     def step_window(self, step: int | None) -> slice:
         return analysis.step_slice(self.trace.events, step)
@@ -99,9 +118,12 @@ class DashboardData:
 
 def load(trace_path: str, baseline_path: str | None = None) -> DashboardData:
     """Read the trace (and baseline); a missing or damaged file is a one-line TraceError."""
+    return from_traces(*read(trace_path, baseline_path))
+
+
+def read(trace_path: str, baseline_path: str | None = None) -> tuple[Trace, Trace | None]:
     trace = read_trace(trace_path)
-    baseline = read_trace(baseline_path) if baseline_path else None
-    return from_traces(trace, baseline)
+    return trace, read_trace(baseline_path) if baseline_path else None
 
 
 def from_traces(trace: Trace, baseline: Trace | None = None) -> DashboardData:
@@ -109,8 +131,10 @@ def from_traces(trace: Trace, baseline: Trace | None = None) -> DashboardData:
     summary = summarize(trace, live=live, lives=lives)
     shorten_paths(summary, trace.meta.cwd or os.getcwd())
     comparison = compare_traces(baseline, trace) if baseline is not None else None
-    return DashboardData(trace=trace, summary=summary, live=live, lives=lives,
+    data = DashboardData(trace=trace, summary=summary, live=live, lives=lives,
                          baseline=baseline, comparison=comparison)
+    data.lifetime_columns()  # now, not at the first click
+    return data
 
 
 def step_options(data: DashboardData) -> list[dict[str, Any]]:
@@ -167,10 +191,19 @@ def peak_position(data: DashboardData, step: int | None) -> int:
 
 def moment(data: DashboardData, position: int, step: int | None,
            max_rows: int = MAX_MOMENT_ROWS) -> Moment:
-    """What is alive just after the event at ``position``, and which line made it."""
+    """What is alive just after the event at ``position``, and which line made it.
+
+    The storages alive (``analysis.alive_at``'s rule), their bytes per category
+    (``analysis.by_category``'s) and the largest first (ties in trace order), found on
+    arrays: only the rows shown are read from the frame."""
     events = data.trace.events
-    alive = analysis.alive_at(data.lives, position)
-    alive = alive.sort_values("size_bytes", ascending=False, kind="stable")
+    columns = data.lifetime_columns()
+    alive = np.flatnonzero((columns["alloc_pos"] <= position)
+                           & (columns["free_pos"] > position))
+    sums = np.bincount(columns["category"][alive], weights=columns["counted"][alive],
+                       minlength=len(schema.CATEGORIES) + 1)
+    by_category = {c: int(sums[i]) for i, c in enumerate(schema.CATEGORIES) if int(sums[i])}
+    largest = alive[np.lexsort((alive, -columns["size"][alive]))[:max_rows]]
     row = events.iloc[position]
     window = data.step_window(step)
     timeline = data.timeline(step)
@@ -178,11 +211,11 @@ def moment(data: DashboardData, position: int, step: int | None,
     first_ns = int(events["time_ns"].iat[window.start]) if window.stop > window.start else 0
     time_ms = start_ms + (int(row["time_ns"]) - first_ns) / 1e6
     base = data.trace.meta.cwd or ""
-    rows = [_storage_row(r, base) for r in alive.head(max_rows).itertuples()]
+    rows = [_storage_row(r, base) for r in data.lives.iloc[largest].itertuples()]
     return Moment(position=position, seq=int(row["seq"]), step=step, time_ms=time_ms,
                   phase=str(row["phase"]), module=str(row["module"]), op=str(row["op"]),
                   live_bytes=int(data.live[position]), storage_count=len(alive),
-                  by_category=analysis.by_category(alive), rows=rows)
+                  by_category=by_category, rows=rows)
 
 
 def _storage_row(r, base: str) -> dict[str, Any]:

@@ -1,16 +1,33 @@
 """The dashboard's plan panel as plain data: the simulator's ranking for a budget and a
 number of GPUs, and any one plan's prediction with the terms it is made of.
 
-The same calls ``memadvisor advise`` and ``memadvisor simulate`` make (``prepare``,
-``hardware``, ``advise``, ``simulate``, ``output.prediction_dict``), so a row of the table
-is the number those commands print.  ``prepare`` runs once per trace, a ranking once per
-(budget, GPUs); both are cached because the page asks again on every edit.
+The same calls ``memadvisor advise`` and ``memadvisor simulate`` make, split where the
+budget enters (``simulate.ranking``): every candidate plan is priced once per number of
+GPUs, and a budget's ranking is a filter and sort of those prices plus the allocator model
+of the plans shown, each plan's kept for the next budget.  So a row of the table is the
+number ``advise`` prints, and a new budget costs the allocator model of plans not shown
+before.
+
+All of it runs in one worker (``PlanAdvisor.worker``): a process forked once the trace is
+read (a thread where there is no fork), so a simulation neither holds the server's
+interpreter lock while a click is answered nor leaves its memory in the server.  Pricing
+starts before the page is served, a page asks for a ranking and waits as long as it likes
+(``wait_s``), and the timeline and tables never wait for it.  One worker does every
+simulation, so memory holds one simulation at a time, whatever the number of requests.
 """
 from __future__ import annotations
 
+import itertools
+import multiprocessing
+import os
+import signal
 import threading
+from collections import OrderedDict
+from concurrent.futures import (BrokenExecutor, CancelledError, Future, ProcessPoolExecutor,
+                                ThreadPoolExecutor)
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UserError
 from ..plan import Plan
@@ -18,6 +35,11 @@ from ..report.build import decimate_pairs
 from ..report.plans import SHOWN_OVER_BUDGET, timeline_pairs
 from ..trace.io import Trace
 from ..units import format_bytes
+
+#: rankings, priced GPU counts and plan details kept (least recently used dropped)
+KEPT_RANKINGS = 64
+KEPT_PRICES = 4
+KEPT_DETAILS = 32
 
 
 @dataclass
@@ -31,53 +53,77 @@ class PlanRanking:
     message: str = ""
 
 
-class PlanAdvisor:
-    """The simulator bound to one trace and one target GPU."""
+class _Kept(OrderedDict):
+    """A dict that keeps its ``limit`` most recently used entries."""
 
-    def __init__(self, trace: Trace, gpu: str | None = None):
-        from ..simulate import hardware
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
 
+    def use(self, key, make: Callable[[], Any]):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = make()
+        while len(self) > self.limit:
+            self.popitem(last=False)
+        return value
+
+
+class Simulator:
+    """The worker's side: the trace's baseline, its plans priced per number of GPUs, and
+    the rankings and predictions made from them."""
+
+    def __init__(self, trace: Trace, hw, after_job: Callable[[], None] | None = None):
         self.trace = trace
-        # an unknown --gpu is a UserError now, before the server starts
-        self.hardware = hardware(gpu, trace.meta.device)
+        self.hardware = hw
+        self._after_job = after_job  # e.g. give freed memory back (``memory.trim``)
         self._base = None
         self._base_error: str | None = None
-        self._rankings: dict[tuple[int, int], PlanRanking] = {}
-        self._lock = threading.Lock()
+        self._priced = _Kept(KEPT_PRICES)  # gpus -> PricedPlans or the UserError text
 
     def baseline(self):
         """The simulator's ``prepare`` of the trace (UserError when it refuses it)."""
         from ..verify import baseline_as_applied
 
-        with self._lock:
-            if self._base is None and self._base_error is None:
-                try:
-                    self._base = baseline_as_applied(self.trace)
-                except UserError as exc:
-                    self._base_error = str(exc)
+        if self._base is None and self._base_error is None:
+            try:
+                self._base = baseline_as_applied(self.trace)
+            except UserError as exc:
+                self._base_error = str(exc)
         if self._base_error is not None:
             raise UserError(self._base_error)
         return self._base
 
-    def rank(self, budget_bytes: int | None, num_gpus: int = 1) -> PlanRanking:
-        if not budget_bytes:
-            return PlanRanking(None, num_gpus, message="enter a budget per GPU to rank plans")
-        key = (int(budget_bytes), int(num_gpus))
-        with self._lock:
-            cached = self._rankings.get(key)
-        if cached is not None:
-            return cached
-        ranking = self._rank(*key)
-        with self._lock:
-            self._rankings[key] = ranking
-        return ranking
+    def prices(self, num_gpus: int):
+        from ..simulate.ranking import price_plans
 
-    def _rank(self, budget_bytes: int, num_gpus: int) -> PlanRanking:
-        from ..simulate import advise
+        def make():
+            try:
+                return price_plans(self.baseline(), self.hardware, num_gpus)
+            except UserError as exc:
+                return str(exc)
+
+        priced = self._priced.use(num_gpus, make)
+        if isinstance(priced, str):
+            raise UserError(priced)
+        return priced
+
+    def price(self, num_gpus: int) -> None:
+        try:
+            self.prices(num_gpus)
+        except UserError:
+            pass  # the ranking says why
+
+    def priced_gpus(self) -> list[int]:
+        return list(self._priced)
+
+    def rank(self, budget_bytes: int, num_gpus: int) -> PlanRanking:
+        from ..simulate.ranking import rank
 
         try:
-            base = self.baseline()
-            result = advise(base, self.hardware, budget_bytes, num_gpus)
+            priced = self.prices(num_gpus)
+            result = rank(priced, budget_bytes, misses_shown=SHOWN_OVER_BUDGET)
         except UserError as exc:  # no complete step, or no plan fits: say so in the panel
             return PlanRanking(budget_bytes, num_gpus, message=f"no plans: {exc}")
         rows = ([plan_row(p, True) for p in result.ranked]
@@ -90,18 +136,147 @@ class PlanAdvisor:
         return PlanRanking(budget_bytes, num_gpus, rows, message)
 
     def detail(self, plan_spec: str) -> dict[str, Any]:
-        """One plan's prediction (``simulate --json``'s keys) plus ``timeline``: its
-        predicted live bytes as (event position in the step, bytes), thinned for drawing."""
         from ..simulate import simulate
         from ..simulate.output import simulate_dict
 
         base = self.baseline()
-        # the spec comes from the page: a spec, never a path the server would open
         prediction = simulate(base, Plan.parse_spec(plan_spec), self.hardware)
         data = simulate_dict(base, prediction, self.hardware)
         pairs = timeline_pairs(prediction.timeline)
         data["timeline"] = decimate_pairs(pairs) if pairs else []
         return data
+
+    def run(self, method: str, *args) -> Any:
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            if self._after_job is not None:
+                self._after_job()
+
+
+#: the simulators of this process by key: a forked worker finds its own here (it gets a
+#: copy of the table as it was when forked, so nothing is pickled but the job's arguments)
+_SIMULATORS: dict[int, Simulator] = {}
+_KEYS = itertools.count()
+
+
+def _job(key: int, method: str, *args) -> Any:
+    return _SIMULATORS[key].run(method, *args)
+
+
+def _worker_started(close_fds: tuple[int, ...]) -> None:
+    """In the forked worker: Ctrl-C is the server's to handle (the worker ends with it,
+    without a traceback of its own), the worker dies with the server, and it holds none of
+    the server's sockets."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: Linux
+    except (OSError, AttributeError):
+        pass
+    for fd in close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    from . import memory
+    memory.bound_malloc()
+
+
+class PlanAdvisor:
+    """The simulator bound to one trace and one target GPU, run by one background worker."""
+
+    def __init__(self, trace: Trace, gpu: str | None = None, *,
+                 after_job: Callable[[], None] | None = None, fork: bool = True,
+                 close_in_worker: tuple[int, ...] = ()):
+        """``fork``: run the simulator in a forked process where the system can (else on a
+        thread); ``close_in_worker``: file descriptors the worker closes (the server's
+        listening socket)."""
+        from ..simulate import hardware
+
+        self.trace = trace
+        # an unknown --gpu is a UserError now, before the server starts
+        self.hardware = hardware(gpu, trace.meta.device)
+        self._key = next(_KEYS)
+        _SIMULATORS[self._key] = Simulator(trace, self.hardware, after_job)
+        if fork and "fork" in multiprocessing.get_all_start_methods():
+            # the simulation modules are imported before the fork, not by the worker
+            from ..simulate import ranking, simulator  # noqa: F401
+            from ..simulate import output  # noqa: F401
+            from .. import verify  # noqa: F401
+            self.worker = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("fork"),
+                initializer=_worker_started, initargs=(tuple(close_in_worker),))
+            # forked now, from the thread building the dashboard (it lives as long as the
+            # server: the worker is told to die with it)
+            self.worker.submit(int).result()
+        else:
+            self.worker = ThreadPoolExecutor(max_workers=1,
+                                             thread_name_prefix="memadvisor-plans")
+        self._rankings: _Kept = _Kept(KEPT_RANKINGS)  # (budget, gpus) -> Future[PlanRanking]
+        self._details = _Kept(KEPT_DETAILS)  # plan spec -> detail dict
+        self._lock = threading.Lock()
+
+    def _submit(self, method: str, *args) -> Future:
+        return self.worker.submit(_job, self._key, method, *args)
+
+    def price_in_background(self, num_gpus: int) -> Future:
+        """Start pricing every plan for ``num_gpus`` (what any budget's ranking needs)."""
+        return self._submit("price", int(num_gpus))
+
+    def priced_gpus(self) -> list[int]:
+        """The numbers of GPUs the worker holds prices for."""
+        return self._submit("priced_gpus").result()
+
+    def request(self, budget_bytes: int, num_gpus: int = 1) -> Future:
+        """The ranking's future, computed once per (budget, GPUs) by the worker; a request
+        not yet started when a newer one comes is dropped (nobody waits for it long)."""
+        key = (int(budget_bytes), int(num_gpus))
+        with self._lock:
+            future = self._rankings.get(key)
+            if future is not None and not future.cancelled():
+                self._rankings.move_to_end(key)
+                return future
+            for other, queued in list(self._rankings.items()):
+                if queued.cancel():
+                    del self._rankings[other]
+            future = self._submit("rank", *key)
+            self._rankings.use(key, lambda: future)
+            return future
+
+    def rank(self, budget_bytes: int | None, num_gpus: int = 1,
+             wait_s: float | None = None) -> PlanRanking | None:
+        """The ranking for the budget; None while it is still being made after ``wait_s``
+        seconds (None: wait for it)."""
+        if not budget_bytes:
+            return PlanRanking(None, num_gpus, message="enter a budget per GPU to rank plans")
+        try:
+            future = self.request(budget_bytes, num_gpus)
+            return future.result(timeout=wait_s)
+        except (FutureTimeout, CancelledError):
+            return None
+        except BrokenExecutor as exc:
+            return PlanRanking(budget_bytes, num_gpus,
+                               message=f"no plans: the plan worker stopped ({exc})")
+
+    def detail(self, plan_spec: str) -> dict[str, Any]:
+        """One plan's prediction (``simulate --json``'s keys) plus ``timeline``: its
+        predicted live bytes as (event position in the step, bytes), thinned for drawing.
+        Made by the worker, after the rankings asked for before it."""
+        # the spec comes from the page: a spec, never a path the server would open
+        spec = Plan.parse_spec(plan_spec).to_compact()
+        with self._lock:
+            known = self._details.get(spec)
+        if known is not None:
+            return known
+        data = self._submit("detail", plan_spec).result()
+        with self._lock:
+            self._details.use(spec, lambda: data)
+        return data
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
+        _SIMULATORS.pop(self._key, None)
 
 
 def plan_row(prediction, fits: bool) -> dict[str, Any]:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import plotly.graph_objects as go
 
 from ..errors import UserError
 from ..report.build import headline
 from ..units import format_bytes, parse_bytes
 from . import data as ui_data
-from . import figures
+from . import figures, memory
 from .plans import PlanAdvisor, PlanRanking
 
 
@@ -42,13 +41,19 @@ class Dashboard:
 
     def __init__(self, data: ui_data.DashboardData, *, budget_bytes: int | None = None,
                  num_gpus: int = 1, gpu: str | None = None, trace_name: str = "",
-                 baseline_name: str = ""):
+                 baseline_name: str = "", rank_now: bool = True,
+                 advisor: PlanAdvisor | None = None):
+        """``rank_now``: start pricing the plans for ``num_gpus`` (and ranking them for
+        ``budget_bytes``) in the background at once, while the page is being built and
+        served (``start_ranking``).  ``advisor``: one made (and started) already."""
         self.data = data
         self.budget_bytes = budget_bytes
         self.num_gpus = num_gpus
-        self.advisor = PlanAdvisor(data.trace, gpu)
+        self.advisor = advisor or PlanAdvisor(data.trace, gpu, after_job=memory.trim)
         self.trace_name = trace_name or data.trace.path or "trace"
         self.baseline_name = baseline_name
+        if rank_now and advisor is None:
+            start_ranking(self.advisor, budget_bytes, num_gpus)
 
     # -- the timeline and a moment in it -------------------------------------------------
 
@@ -56,26 +61,14 @@ class Dashboard:
         step = self.data.analysed_step
         return ui_data.WHOLE_RUN if step is None else step
 
-    def timeline_view(self, step_value: Any, budget_text: Any = None,
-                      click_data: dict | None = None) -> tuple[go.Figure, str]:
-        """The step's timeline (budget line when the budget input parses, a line at the
-        clicked moment) and its caption."""
+    def timeline_view(self, step_value: Any, budget_text: Any = None
+                      ) -> tuple[go.Figure, str]:
+        """The step's timeline (a budget line when the budget input parses) and its
+        caption.  A click never redraws it: only the tables below follow a click."""
         step = ui_data.step_value(step_value)
-        try:
-            budget = parse_budget(budget_text)
-        except UserError:
-            budget = None
         timeline = self.data.timeline(step)
-        fig = figures.timeline_figure(timeline, budget_bytes=budget)
+        fig = figures.timeline_figure(timeline, budget_bytes=self._budget_or_none(budget_text))
         fig.update_layout(clickmode="event", height=420)
-        position = ui_data.clicked_position(self.data, step, click_data)
-        if position is not None:
-            # the moment the table below describes
-            point = int(np.searchsorted(timeline.positions,
-                                        position - self.data.step_window(step).start))
-            x = float(timeline.time_ms[min(point, timeline.points - 1)])
-            fig.add_vline(x=x, line_width=1, line_dash="dot", line_color="#333",
-                          annotation_text="selected", annotation_position="top left")
         peak = timeline.peak or {}
         caption = (f"{timeline.events_in_step:,} events in the step, drawn as "
                    f"{timeline.points:,} points (each bucket keeps its lowest and highest "
@@ -84,6 +77,26 @@ class Dashboard:
                    f"{peak.get('module') or '(top level)'} ({peak.get('op') or '?'}). "
                    "Click the chart to see what is alive at that moment.")
         return fig, caption
+
+    def timeline_unit(self, step_value: Any, budget_text: Any = None) -> str:
+        """The byte unit the step's timeline is drawn in for this budget: while it stays
+        the same, a new budget moves only the budget line (``budget_layout``)."""
+        timeline = self.data.timeline(ui_data.step_value(step_value))
+        budget = self._budget_or_none(budget_text) or 0
+        return figures.byte_scale(max(float(timeline.peak_bytes), float(budget)))[0]
+
+    def budget_layout(self, step_value: Any, budget_text: Any = None) -> dict[str, Any]:
+        """The timeline's layout (shapes, annotations, axes) for a new budget: what the page
+        patches into the figure it has, without sending its data again."""
+        figure = self.timeline_view(step_value, budget_text)[0]
+        return figure.layout.to_plotly_json()
+
+    @staticmethod
+    def _budget_or_none(budget_text: Any) -> int | None:
+        try:
+            return parse_budget(budget_text)
+        except UserError:
+            return None
 
     def moment_view(self, step_value: Any, click_data: dict | None = None
                     ) -> tuple[str, go.Figure, list[dict[str, Any]]]:
@@ -141,16 +154,20 @@ class Dashboard:
             budget, gpus = None, 1
         return headline(self.data.summary, budget, gpus).text
 
-    def plans_view(self, budget_text: Any, gpus_value: Any
-                   ) -> tuple[list[dict[str, Any]], str, list[int]]:
-        """The plan table for the inputs (rows, a message, the row selected first)."""
+    def plans_view(self, budget_text: Any, gpus_value: Any, wait_s: float | None = None
+                   ) -> tuple[list[dict[str, Any]], str, list[int], bool]:
+        """The plan table for the inputs: rows, a message, the row selected first, and
+        whether the ranking is still being made (after ``wait_s`` seconds; None: wait)."""
         try:
             budget, gpus = parse_budget(budget_text), parse_gpus(gpus_value)
         except UserError as exc:
-            return [], str(exc), []
-        ranking: PlanRanking = self.advisor.rank(budget, gpus)
+            return [], str(exc), [], False
+        ranking: PlanRanking | None = self.advisor.rank(budget, gpus, wait_s)
+        if ranking is None:
+            return [], (f"ranking plans for {gpus} GPU(s) of {format_bytes(budget)} in the "
+                        "background ..."), [], True
         first_fit = next((i for i, r in enumerate(ranking.rows) if r["fits"] == "yes"), None)
-        return ranking.rows, ranking.message, [] if first_fit is None else [first_fit]
+        return ranking.rows, ranking.message, [] if first_fit is None else [first_fit], False
 
     def plan_view(self, selected_rows: list[int] | None, rows: list[dict] | None,
                   budget_text: Any = None) -> tuple[go.Figure | None, list[str]]:
@@ -177,6 +194,14 @@ class Dashboard:
         fig = figures.plan_timeline_figure(measured, detail["timeline"], spec,
                                            budget_bytes=budget)
         return fig, lines
+
+
+def start_ranking(advisor: PlanAdvisor, budget_bytes: int | None, num_gpus: int) -> None:
+    """Price the plans for ``num_gpus`` in the background, and rank them for the budget."""
+    if budget_bytes:
+        advisor.request(budget_bytes, num_gpus)
+    else:
+        advisor.price_in_background(num_gpus)
 
 
 def plan_explanation(detail: dict[str, Any]) -> list[str]:

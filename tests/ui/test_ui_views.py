@@ -77,14 +77,20 @@ def test_a_click_shows_the_storages_alive_at_that_event(board):
     # a stale click (index beyond this figure) falls back to the nearest time
     stale = {"points": [{"pointIndex": 10**6, "x": float(timeline.time_ms[index])}]}
     assert board.moment_view(step, stale)[2] == rows
-    # the timeline marks the selected moment (and only once there is one)
-    marked, _ = board.timeline_view(step, None, click)
-    dotted = [s for s in marked.layout.shapes if s.line.dash == "dot"]
-    assert len(dotted) == 1 and dotted[0].x0 == float(timeline.time_ms[index])
-    plain, _ = board.timeline_view(step)
-    assert not [s for s in plain.layout.shapes if s.line.dash == "dot"]
     # a click between two events far apart in time still reaches the nearest one
+    plain, _ = board.timeline_view(step)
     assert plain.layout.hoverdistance == -1
+
+
+def test_a_click_updates_the_tables_only(board):
+    """The figure is never sent again for a click: no callback that a click triggers has
+    the timeline among its outputs."""
+    app = build_app(board, "8KiB")
+    on_click = [output for output, spec in app.callback_map.items()
+                if any(i["id"] == "timeline" and i["property"] == "clickData"
+                       for i in spec["inputs"])]
+    assert on_click and not [o for o in on_click if "timeline.figure" in o]
+    assert any("moment-table.rowData" in o for o in on_click)
 
 
 def test_selecting_a_step_changes_the_figure_and_the_moment(board):
@@ -128,8 +134,8 @@ def test_budget_line_follows_the_budget_input(board):
 def test_plan_table_is_ranked_and_matches_the_simulator(board, ui_model_trace):
     peak = board.data.summary["peak_bytes"]
     budget = int(peak * 0.9)
-    rows, message, selected = board.plans_view(f"{budget}", 4)
-    assert rows and selected == [0] and "plans evaluated" in message
+    rows, message, selected, pending = board.plans_view(f"{budget}", 4)
+    assert rows and selected == [0] and "plans evaluated" in message and not pending
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, key=lambda f: f != "yes")  # fitting plans first
     fitting = [r for r in rows if r["fits"] == "yes"]
@@ -150,7 +156,7 @@ def test_plan_table_is_ranked_and_matches_the_simulator(board, ui_model_trace):
 
 def test_selecting_a_plan_draws_its_prediction_and_explains_it(board):
     peak = board.data.summary["peak_bytes"]
-    rows, _, selected = board.plans_view(str(int(peak * 0.9)), 4)
+    rows, _, selected, _ = board.plans_view(str(int(peak * 0.9)), 4)
     fig, lines = board.plan_view(selected, rows, str(int(peak * 0.9)))
     assert len(fig.data) == 2 and rows[0]["plan"] in fig.layout.annotations[1].text
     assert max(fig.data[1].y) < max(fig.data[0].y)  # the plan fits, the measured step not
@@ -164,18 +170,18 @@ def test_selecting_a_plan_draws_its_prediction_and_explains_it(board):
 
 def test_editing_budget_and_gpus_reranks(board):
     peak = board.data.summary["peak_bytes"]
-    roomy, _, _ = board.plans_view(str(peak * 4), 1)
-    tight, _, _ = board.plans_view(str(int(peak * 0.9)), 4)
+    roomy = board.plans_view(str(peak * 4), 1)[0]
+    tight = board.plans_view(str(int(peak * 0.9)), 4)[0]
     assert roomy[0]["plan"] == "none"  # fits as is: the unchanged script is fastest
     assert [r["plan"] for r in roomy] != [r["plan"] for r in tight]
     assert board.headline_text(str(peak * 4), 1).endswith("to spare")
     assert "does not fit" in board.headline_text(str(int(peak * 0.9)), 4)
     assert board.plans_view("", 1)[1] == "enter a budget per GPU to rank plans"
-    rows, message, selected = board.plans_view("24 potatoes", 1)
-    assert (rows, selected) == ([], []) and message.startswith("not a size")
+    rows, message, selected, pending = board.plans_view("24 potatoes", 1)
+    assert (rows, selected, pending) == ([], [], False) and message.startswith("not a size")
     assert board.plans_view("1GiB", 0)[1] == "GPUs must be at least 1, got 0"
     # nothing fits one byte: the panel says why instead of failing
-    rows, message, _ = board.plans_view("1", 1)
+    rows, message, _, _ = board.plans_view("1", 1)
     assert rows == [] and message.startswith("no plans: no plan fits")
 
 
@@ -230,7 +236,7 @@ def test_trace_without_a_complete_step(tmp_path, ui_model_trace):
         {"label": "whole run (no complete step)", "value": ui_data.WHOLE_RUN}]
     fig, _ = board.timeline_view(ui_data.WHOLE_RUN)
     assert "the whole run" in fig.layout.title.text
-    rows, message, _ = board.plans_view("1GiB", 1)
+    rows, message, _, _ = board.plans_view("1GiB", 1)
     assert rows == [] and "completed no training step" in message
 
 

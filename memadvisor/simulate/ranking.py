@@ -1,0 +1,186 @@
+"""``advise`` split where the budget enters, for a caller that ranks one trace for many
+budgets (the dashboard): ``price_plans`` does the budget-independent work once -- every
+candidate plan and its fast-pass peak -- and ``rank`` turns it into ``advise``'s result for
+one budget: the plans whose fast peak fits, in ``rank_key`` order, then the allocator model
+for the plans shown (reserved memory must fit too).
+
+The same public calls, in the same order, as ``search.advise``, so ``rank(price_plans(...),
+budget)`` has ``advise(..., budget)``'s ``ranked``, ``too_big``, ``rejected`` and
+``evaluated`` (tests/ui compares them).  Two differences, both invisible in those: no
+largest micro-batch (``max_micro_batch`` stays empty: the dashboard does not show it), and
+each plan's allocator model runs once to its end and is kept without its timeline, so a
+later budget reuses it; where the end differs from ``advise``'s early stop (a plan whose
+reserved memory passes the usable bytes), the plan is priced again with that stop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..plan import Environment, Plan, PlanError, environment_problems
+from .hardware import Hardware
+from .search import SEMANTIC, SearchResult, candidate_plans, rank_key
+from .simulator import (Baseline, Prediction, layout_cache_keys, layout_key, quick_simulate,
+                        simulate)
+
+
+@dataclass
+class PricedPlans:
+    """Every candidate plan for one trace, target and number of GPUs, priced once."""
+
+    base: Baseline
+    hw: Hardware
+    gpus: int
+    allow: frozenset[str]
+    objective: str
+    expandable_segments: bool
+    plans: list[Plan]
+    #: per plan, in candidate order: its fast-pass Prediction or (plan, why it cannot run)
+    outcomes: list
+    #: plan (compact) -> the allocator model run to its end, without its timeline
+    exact: dict[str, Prediction] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def evaluated(self) -> int:
+        return len(self.plans)
+
+
+def price_plans(base: Baseline, hw: Hardware, gpus: int = 1, *, allow: set[str] | None = None,
+                objective: str = "cost", expandable_segments: bool = False) -> PricedPlans:
+    """``advise``'s candidates and fast pass, which no budget changes."""
+    allow = set(allow or ())
+    rank_key(objective)  # an unknown objective is a UserError now, not at the first budget
+    unknown = allow - set(SEMANTIC)
+    if unknown:
+        raise UserError(f"--allow takes {', '.join(SEMANTIC)}; got {', '.join(sorted(unknown))}")
+    env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
+                      fp16_supported=hw.fp16, bitsandbytes_available=True)
+    plans = candidate_plans(base, gpus, allow, hw)
+    cache: dict = {}
+    outcomes: list = [None] * len(plans)
+    by_layout: dict[tuple, list[int]] = {}
+    for index, plan in enumerate(plans):
+        problems = environment_problems(plan, env)
+        if problems:
+            outcomes[index] = (plan, problems[0])
+            continue
+        try:
+            by_layout.setdefault(layout_key(base, plan, hw, cache), []).append(index)
+        except PlanError as exc:
+            outcomes[index] = (plan, str(exc))
+    # one lifetime layout at a time, its cached timelines dropped once its last user is
+    # done (as ``advise``'s fast pass: memory holds one layout)
+    needs = {key: layout_cache_keys(base, plans[indices[0]], hw, cache)
+             for key, indices in by_layout.items()}
+    users = Counter(entry for entries in needs.values() for entry in entries)
+    for key in sorted(by_layout, key=lambda k: repr(needs[k])):
+        bounds: dict = {}
+        for index in by_layout[key]:
+            plan = plans[index]
+            try:
+                prediction = quick_simulate(base, plan, hw, cache, bounds) or simulate(
+                    base, plan, hw, run_allocator=False, cache=cache, categories=False)
+                outcomes[index] = _without_timeline(prediction)
+            except PlanError as exc:
+                outcomes[index] = (plan, str(exc))
+        for entry in needs[key]:
+            users[entry] -= 1
+            if not users[entry]:
+                cache.pop(entry, None)
+    return PricedPlans(base, hw, gpus, frozenset(allow), objective, expandable_segments, plans,
+                       outcomes)
+
+
+def rank(priced: PricedPlans, budget_bytes: int, *, margin: float = 0.05, top: int = 10,
+         misses_shown: int = 3) -> SearchResult:
+    """``advise(base, hw, budget_bytes, gpus, ...)`` from plans priced once (without the
+    largest micro-batch); UserError, as ``advise``, when no plan fits.  ``misses_shown``:
+    the first plans of ``too_big`` whose figures must be ``advise``'s to the byte."""
+    from ..units import format_bytes
+
+    if not 0 <= margin < 1:
+        raise UserError(f"the safety margin must be between 0 and 1, got {margin}")
+    usable = int(budget_bytes * (1 - margin))
+    key = rank_key(priced.objective)
+    rejected, fitting, too_big = [], [], []
+    for outcome in priced.outcomes:  # in candidate order, as ties in the ranking are broken
+        if isinstance(outcome, tuple):
+            rejected.append(outcome)
+        else:
+            (fitting if outcome.peak_bytes <= usable else too_big).append(outcome)
+    fitting.sort(key=key)
+    # the allocator model for the best plans: reserved memory must fit too
+    exact = priced.hw.device_type == "cuda"
+    ranked: list[Prediction] = []
+    cache: dict = {}
+    stage_keys: set = set()
+    taken = 0
+    while len(ranked) < top and taken < len(fitting):
+        batch = fitting[taken:taken + top - len(ranked)]
+        taken += len(batch)
+        for prediction in _exact_in_layout_order(priced, [p.plan for p in batch], exact,
+                                                 cache, stage_keys):
+            if exact and (prediction.reserved_bytes or prediction.peak_bytes) > usable:
+                # ``advise`` stopped this plan's allocator model once reserved memory
+                # passed ``usable``: a miss shown carries the figures of that stop
+                if len(too_big) < misses_shown:
+                    prediction = _stopped_at(priced, prediction.plan, usable, cache)
+                too_big.append(prediction)
+                continue
+            ranked.append(prediction)
+    # the same order as the fast pass, after the allocator model has dropped plans whose
+    # reserved memory does not fit
+    ranked.sort(key=key)
+    if not ranked:
+        smallest = min(too_big, key=lambda p: p.reserved_bytes or p.peak_bytes, default=None)
+        need = (f"; the smallest plan ({smallest.plan}) needs "
+                f"{format_bytes(smallest.reserved_bytes or smallest.peak_bytes)}"
+                if smallest else "")
+        hint = "" if priced.allow >= set(SEMANTIC) else " or --allow bf16,optimizer"
+        raise UserError(f"no plan fits {format_bytes(budget_bytes)} with a {margin:.0%} margin "
+                        f"on {priced.gpus} GPU(s){need}: raise --budget, add --gpus{hint}")
+    return SearchResult(ranked, rejected, too_big, priced.evaluated, budget_bytes, usable)
+
+
+def _exact_in_layout_order(priced: PricedPlans, plans: list[Plan], run_allocator: bool,
+                           cache: dict, stage_keys: set) -> list[Prediction]:
+    """Each plan's full prediction (kept in ``priced.exact``), the plans sharing cached
+    timelines in a row and only their timelines kept in ``cache``."""
+    base, hw = priced.base, priced.hw
+    results: list = [None] * len(plans)
+    todo = []
+    with priced._lock:
+        for index, plan in enumerate(plans):
+            known = priced.exact.get(plan.to_compact())
+            if known is not None:
+                results[index] = known
+            else:
+                todo.append(index)
+    keys = {index: layout_cache_keys(base, plans[index], hw, cache) for index in todo}
+    for index in sorted(todo, key=lambda i: repr(keys[i])):
+        for entry in stage_keys.difference(keys[index]):
+            cache.pop(entry, None)
+        stage_keys.update(keys[index])
+        prediction = _without_timeline(simulate(
+            base, plans[index], hw, run_allocator=run_allocator,
+            expandable_segments=priced.expandable_segments, cache=cache))
+        results[index] = prediction
+        with priced._lock:
+            priced.exact[plans[index].to_compact()] = prediction
+    return results
+
+
+def _stopped_at(priced: PricedPlans, plan: Plan, usable: int, cache: dict) -> Prediction:
+    return _without_timeline(simulate(
+        priced.base, plan, priced.hw, run_allocator=True,
+        expandable_segments=priced.expandable_segments, cache=cache,
+        allocator_stop_above=usable))
+
+
+def _without_timeline(prediction: Prediction) -> Prediction:
+    """The prediction without its per-event timeline (what a ranking needs, kept small)."""
+    return dataclasses.replace(prediction, timeline=None)
