@@ -13,7 +13,7 @@ trace onto them (``simulate.precision``).
 
 * ``convolution``: per module, the blocks of one call in order, per direction and dtype
   (``raw_bytes``), and each call's blocks with their lifetimes among the op's own
-  tensors (``calls``: fp32, bf16, and bf16 at half the batch, ``batch``): a kernel picks
+  tensors (``calls``: fp32, bf16, and both at half the batch, ``batch``): a kernel picks
   its algorithm by ISA (oneDNN's bf16 kernels on an AVX-512 or AMX CPU, ATen's im2col
   fallback where oneDNN has no bf16: one data-sized block instead of several), so the
   bf16 blocks are taken as measured, never mapped one to one onto the fp32 ones;
@@ -144,7 +144,8 @@ def _runs(kind: str, spec: dict) -> dict[str, tuple[dict, str]]:
         runs = {name: (spec, name) for name in PROBE_DTYPES}
         batched = len(spec["input_shape"]) == len(spec["kwargs"]["kernel_size"]) + 2
         half = _half(spec) if batched else None
-        if half is not None:  # how much of each bf16 block follows the batch
+        if half is not None:  # how much of each block follows the batch, per dtype
+            runs["float32-half"] = (half, "float32")
             runs["bfloat16-half"] = (half, "bfloat16")
         return runs
     runs = {"float32": (spec, "float32")}

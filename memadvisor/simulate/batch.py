@@ -44,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..trace import schema
+from .kernel_blocks import conv_blocks_following_batch
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
 _SCALING_CATEGORIES = tuple(CATEGORY_CODE[c] for c in (
@@ -97,8 +98,11 @@ def _after_prefix(shapes: np.ndarray, prefixes: set[tuple[int, ...]], size: int)
     return out
 
 
-def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[str]) -> Timeline:
-    """Return ``timeline`` with ``scales_with_batch`` set by the rule in the module doc."""
+def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[str],
+                       probes: dict | None = None) -> Timeline:
+    """Return ``timeline`` with ``scales_with_batch`` set by the rule in the module doc;
+    a convolution's raw blocks as its probe at half the batch showed them (``probes``:
+    ``meta.probes``)."""
     size = int(batch.get("batch_size") or 0)
     flags = np.zeros(len(timeline), bool)
     if size > 0:
@@ -127,8 +131,13 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
         ambiguous = flags & (exact & is_param_shape)[inverse]
         if ambiguous.any():
             flags &= ~_gradient_contributions(timeline, ambiguous)
-        flags |= raw & _sized_like_batch_rows(timeline, flags) & np.isin(
-            timeline.category, _SCALING_CATEGORIES) & np.isin(timeline.phase, _SCALING_PHASES)
+        scaling_rows = np.isin(timeline.category, _SCALING_CATEGORIES) & np.isin(
+            timeline.phase, _SCALING_PHASES)
+        flags |= raw & _sized_like_batch_rows(timeline, flags) & scaling_rows
+        # measured beats the size rule: a kernel's block can follow the batch and match no
+        # tensor's size, or match one by chance and not follow it
+        rows, follows = conv_blocks_following_batch(timeline, probes or {})
+        flags[rows] = follows & scaling_rows[rows]
     out = timeline.resized(timeline.size)
     out.scales_with_batch = flags
     return out

@@ -254,6 +254,48 @@ def probed_conv_blocks(out: Timeline, low: str, device_type: str, probes: dict,
                                            dtype=object)})
 
 
+def conv_blocks_following_batch(timeline: Timeline, probes: dict) -> tuple[np.ndarray,
+                                                                           np.ndarray]:
+    """(rows, follows): the recorded fp32 convolution blocks whose module's probe ran at
+    the recorded batch and at half of it (``calls['float32']``, ``calls['float32-half']``),
+    and whether each follows the batch.  Blocks are matched in order within each call (the
+    trace's calls must make the probe's blocks, sizes included); a block follows the batch
+    when most of it does -- oneDNN's reorders of the data halve with the batch, those of
+    the weights and its scratch do not, so on the probed machines each block is one or the
+    other.  Calls that do not look like the probe's are left to the size rule."""
+    rows_out: list[int] = []
+    follows_out: list[bool] = []
+    raw = timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
+    conv = [i for i, name in enumerate(timeline.ops) if "convolution" in name]
+    by_direction = {"forward": [i for i in conv if "backward" not in timeline.ops[i]],
+                    "backward": [i for i in conv if "backward" in timeline.ops[i]]}
+    for entry in probes.get("convolution", ()):
+        calls, batch = entry.get("calls") or {}, entry.get("batch") or {}
+        path = entry.get("module")
+        if ("float32" not in calls or "float32-half" not in calls or path
+                not in timeline.modules or not batch.get("float32")):
+            continue
+        ratio = batch.get("float32-half", 0) / batch["float32"]
+        own = timeline.module == timeline.modules.index(path)
+        for direction, codes in by_direction.items():
+            full, half = calls["float32"][direction], calls["float32-half"][direction]
+            parts = _batch_parts(full, half, ratio)
+            sizes = [float(b[0]) for b in full["raw"]]
+            per_call = len(full["raw"]) + len(full["typed"])
+            rows = np.flatnonzero(own & np.isin(timeline.op, codes)
+                                  & (timeline.alloc_key >= 0))
+            if not sizes or not len(rows) or len(rows) % per_call:
+                continue
+            rows = rows[np.argsort(timeline.alloc_key[rows], kind="stable")]
+            for call in rows.reshape(-1, per_call):
+                mine = call[raw[call]]
+                if [float(x) for x in timeline.size[mine]] != sizes:
+                    continue
+                rows_out += mine.tolist()
+                follows_out += [proportional > fixed for fixed, proportional in parts]
+    return np.asarray(rows_out, np.int64), np.asarray(follows_out, bool)
+
+
 def _batch_parts(full: dict, half: dict | None, ratio: float) -> list[tuple[float, float]]:
     """(batch-independent, batch-proportional) bytes of each block of a 16-bit call from
     the probe at the recorded batch and at ``ratio`` of it; all batch-independent where

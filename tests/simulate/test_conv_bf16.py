@@ -78,9 +78,9 @@ def test_probed_matmul_parts_split_fixed_and_batch_sized_bytes():
 def test_each_probe_records_its_calls_blocks_among_the_ops_tensors(baseline):
     for entry in baseline.meta.probes["convolution"]:
         calls = entry["calls"]
-        assert set(calls) == {"float32", "bfloat16", "bfloat16-half"}
+        assert set(calls) == {"float32", "bfloat16", "float32-half", "bfloat16-half"}
         assert entry["batch"] == {"float32": BATCH, "bfloat16": BATCH,
-                                  "bfloat16-half": BATCH // 2}
+                                  "float32-half": BATCH // 2, "bfloat16-half": BATCH // 2}
         for tag in ("float32", "bfloat16"):
             for direction in ("forward", "backward"):
                 call = calls[tag][direction]
