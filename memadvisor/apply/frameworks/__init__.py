@@ -77,5 +77,5 @@ def _free_alias(script: Script) -> str:
 # what a rewritten script calls
 from .probe import (  # noqa: E402,F401
     checkpointed, expect_plan, finish, lightning_checkpointing, nodes, optimizer_steps, ranks_per_node,
-    repeated_blocks_policy, split_batch,
+    repeated_blocks_policy, split_batch, without_cuda,
 )

@@ -15,7 +15,9 @@ zero2 / zero3       ``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
                     (CUDA only); checkpointing then through the plugin
 checkpoint          ``accelerator.prepare(checkpointed(model), ...)``: torch's checkpoint
                     around the plan's blocks before accelerate wraps the model
-ddp                 nothing: torchrun's environment makes ``prepare`` wrap in DDP
+ddp                 torchrun's environment makes ``prepare`` wrap in DDP; on a machine
+                    without CUDA only with ``cpu=True``: ``cpu=<no CUDA here>`` is set
+                    where the script does not set ``cpu=`` itself
 ==================  ==================================================================
 
 The script's own ``accelerator.backward(loss)`` and ``optimizer.step()`` stay as they are:
@@ -52,6 +54,10 @@ def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, st
     if plan.precision != "fp32":
         edits.set(call, "mixed_precision", {"amp-bf16": '"bf16"', "amp-fp16": '"fp16"'}[
             plan.precision])
+    if plan.world > 1 and not plan.uses_fsdp and keyword(call, "cpu") is None:
+        # without CUDA accelerate distributes only with cpu=True (the script's own cpu=
+        # stays: a cpu=False there is the user's choice, and the check says it did nothing)
+        edits.set(call, "cpu", f"{alias}.without_cuda()")
     if plan.world > 1:
         if keyword(call, "dataloader_config") is not None:
             raise RewriteError(f"{at}: Accelerator(dataloader_config=...) is the script's own; "

@@ -8,7 +8,9 @@ checkpoint=auto     ``activation_checkpointing=True`` (``gradient_checkpointing`
 accum=K, world=W    ``gradient_accumulation_steps=K``, ``per_device_train_batch_size`` / (K*W)
 optimizer           ``optim=`` sgd / adafactor / adamw_bnb_8bit (sgd-momentum: ``optim_args``)
 zero2 / zero3       ``fsdp=True``, ``fsdp_config={"reshard_after_forward": False / True}``
-ddp                 nothing: torchrun's environment makes the Trainer wrap the model in DDP
+ddp                 torchrun's environment makes the Trainer wrap the model in DDP; on a
+                    machine without CUDA only with ``use_cpu=True``: ``use_cpu=<no CUDA
+                    here>`` is set where the script sets neither it nor ``no_cuda``
 ==================  ==================================================================
 
 Everything else is refused here, by name, before anything runs; which keywords and
@@ -72,6 +74,11 @@ def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, st
     if missing:
         raise RewriteError(f"{at}: the installed transformers' TrainingArguments has no "
                            f"{missing[0]}= (needed for the plan {plan})")
+    if (plan.world > 1 and not plan.uses_fsdp and "use_cpu" in fields
+            and keyword(call, "use_cpu") is None and keyword(call, "no_cuda") is None):
+        # without CUDA the Trainer distributes only with use_cpu=True (the script's own
+        # use_cpu= stays: the check says when it kept the plan from taking effect)
+        knobs["use_cpu"] = f"{alias}.without_cuda()"
     for name, code in knobs.items():
         edits.set(call, name, code)
     split_batch(edits, call, "per_device_train_batch_size", plan.accum * plan.world,

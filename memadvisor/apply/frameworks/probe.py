@@ -256,6 +256,14 @@ def split_batch(batch_size: int, parts: int) -> int:
     return batch_size // parts
 
 
+def without_cuda() -> bool:
+    """True on a machine without CUDA: what the framework's own switch (``Accelerator(cpu=)``,
+    ``TrainingArguments(use_cpu=)``) must say for it to distribute there at all.  Asked
+    when the script runs, so the rewritten script still uses the GPUs of a machine that has
+    them."""
+    return not torch.cuda.is_available()
+
+
 def optimizer_steps(batches: int, accum: int) -> int:
     """Optimizer steps in ``batches`` micro-batches: accelerate also steps on a last,
     shorter group at the end of the loader."""

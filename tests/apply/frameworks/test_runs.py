@@ -80,9 +80,27 @@ def test_accelerate_on_two_ranks_splits_each_batch(tmp_path):
 
 
 @needs("accelerate")
-def test_a_plan_the_framework_ignores_stops_the_run(tmp_path):
-    # without cpu=True, accelerate on a machine without CUDA distributes nothing
+def test_accelerate_without_its_cpu_switch_distributes_on_a_machine_without_cuda(tmp_path):
+    # the zoo's accelerate_loop: Accelerator() as written for GPUs; apply sets cpu= to
+    # "no CUDA here" so the plan's ranks exist on this machine too
     source = ACCELERATE.replace("Accelerator(cpu=True)", "Accelerator()")
+    same_training(tmp_path, source, "shard=ddp,world=2", "acc3",
+                  ["DistributedDataParallel on 2 ranks"])
+
+
+@needs("transformers")
+def test_hf_trainer_without_use_cpu_distributes_on_a_machine_without_cuda(tmp_path):
+    source = HF_TRAINER.replace("use_cpu=True, ", "")
+    assert source != HF_TRAINER
+    same_training(tmp_path, source, "shard=ddp,world=2", "hf2",
+                  ["DistributedDataParallel on 2 ranks"])
+
+
+@needs("accelerate")
+def test_a_plan_the_framework_ignores_stops_the_run(tmp_path):
+    # with the script's own cpu=False, accelerate on a machine without CUDA distributes
+    # nothing (apply leaves a cpu= the script sets as it is)
+    source = ACCELERATE.replace("Accelerator(cpu=True)", "Accelerator(cpu=False)")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA machine accelerate does distribute this script")
     done, saved = apply(tmp_path, source, "shard=ddp,world=2", "ignored")
