@@ -51,6 +51,7 @@ def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_bro
         advisor = PlanAdvisor(trace, gpu, after_job=memory.trim,
                               close_in_worker=(server.socket.fileno(),))
         start_ranking(advisor, budget_bytes, num_gpus)
+        advisor.prefetch_in_background()  # then, while idle, what other budgets would show
         board = Dashboard(ui_data.from_traces(trace, baseline), budget_bytes=budget_bytes,
                           num_gpus=num_gpus, trace_name=trace_path,
                           baseline_name=baseline_path or "", advisor=advisor)

@@ -42,6 +42,9 @@ class PricedPlans:
     outcomes: list
     #: plan (compact) -> the allocator model run to its end, without its timeline
     exact: dict[str, Prediction] = field(default_factory=dict, repr=False)
+    #: ``simulate``'s cache: the timelines of the last layout priced exactly (only those)
+    cache: dict = field(default_factory=dict, repr=False)
+    stage_keys: set = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -91,8 +94,10 @@ def price_plans(base: Baseline, hw: Hardware, gpus: int = 1, *, allow: set[str] 
             users[entry] -= 1
             if not users[entry]:
                 cache.pop(entry, None)
+    # the exact pass goes on with this cache (what else it holds: each plan's regions), as
+    # ``advise``'s does
     return PricedPlans(base, hw, gpus, frozenset(allow), objective, expandable_segments, plans,
-                       outcomes)
+                       outcomes, cache=cache, stage_keys=set(users))
 
 
 def rank(priced: PricedPlans, budget_bytes: int, *, margin: float = 0.05, top: int = 10,
@@ -116,19 +121,16 @@ def rank(priced: PricedPlans, budget_bytes: int, *, margin: float = 0.05, top: i
     # the allocator model for the best plans: reserved memory must fit too
     exact = priced.hw.device_type == "cuda"
     ranked: list[Prediction] = []
-    cache: dict = {}
-    stage_keys: set = set()
     taken = 0
     while len(ranked) < top and taken < len(fitting):
         batch = fitting[taken:taken + top - len(ranked)]
         taken += len(batch)
-        for prediction in _exact_in_layout_order(priced, [p.plan for p in batch], exact,
-                                                 cache, stage_keys):
+        for prediction in _exact_in_layout_order(priced, [p.plan for p in batch], exact):
             if exact and (prediction.reserved_bytes or prediction.peak_bytes) > usable:
                 # ``advise`` stopped this plan's allocator model once reserved memory
                 # passed ``usable``: a miss shown carries the figures of that stop
                 if len(too_big) < misses_shown:
-                    prediction = _stopped_at(priced, prediction.plan, usable, cache)
+                    prediction = _stopped_at(priced, prediction.plan, usable)
                 too_big.append(prediction)
                 continue
             ranked.append(prediction)
@@ -146,11 +148,12 @@ def rank(priced: PricedPlans, budget_bytes: int, *, margin: float = 0.05, top: i
     return SearchResult(ranked, rejected, too_big, priced.evaluated, budget_bytes, usable)
 
 
-def _exact_in_layout_order(priced: PricedPlans, plans: list[Plan], run_allocator: bool,
-                           cache: dict, stage_keys: set) -> list[Prediction]:
+def _exact_in_layout_order(priced: PricedPlans, plans: list[Plan],
+                           run_allocator: bool) -> list[Prediction]:
     """Each plan's full prediction (kept in ``priced.exact``), the plans sharing cached
-    timelines in a row and only their timelines kept in ``cache``."""
+    timelines in a row and only their timelines kept in ``priced.cache``."""
     base, hw = priced.base, priced.hw
+    cache, stage_keys = priced.cache, priced.stage_keys
     results: list = [None] * len(plans)
     todo = []
     with priced._lock:
@@ -174,11 +177,39 @@ def _exact_in_layout_order(priced: PricedPlans, plans: list[Plan], run_allocator
     return results
 
 
-def _stopped_at(priced: PricedPlans, plan: Plan, usable: int, cache: dict) -> Prediction:
+def _stopped_at(priced: PricedPlans, plan: Plan, usable: int) -> Prediction:
     return _without_timeline(simulate(
         priced.base, plan, priced.hw, run_allocator=True,
-        expandable_segments=priced.expandable_segments, cache=cache,
+        expandable_segments=priced.expandable_segments, cache=priced.cache,
         allocator_stop_above=usable))
+
+
+def shown_somewhere(priced: PricedPlans, budget_bytes: int, *, margin: float = 0.05,
+                    top: int = 10) -> list[Plan]:
+    """The plans some budget's ranking would show whose allocator model is not made yet,
+    those nearest ``budget_bytes`` first: a plan is among the best ``top`` for the budget
+    whose usable bytes are its fast peak when fewer than ``top`` better-ranked plans have a
+    peak as small (fewer still, where the allocator model drops some).  What a caller with
+    time to spare prices (``price_exactly``) so that a later budget finds it made."""
+    import numpy as np
+
+    predictions = sorted((o for o in priced.outcomes if not isinstance(o, tuple)),
+                         key=rank_key(priced.objective))
+    if not predictions or priced.hw.device_type != "cuda":
+        return []
+    peaks = np.array([p.peak_bytes for p in predictions], dtype=np.float64)
+    better_and_smaller = np.tril(peaks[None, :] <= peaks[:, None], k=-1).sum(axis=1)
+    usable = max(budget_bytes * (1 - margin), 1.0)
+    distance = np.abs(np.log(np.maximum(peaks, 1.0) / usable))
+    order = [i for i in np.argsort(distance, kind="stable") if better_and_smaller[i] < top]
+    with priced._lock:
+        return [predictions[i].plan for i in order
+                if predictions[i].plan.to_compact() not in priced.exact]
+
+
+def price_exactly(priced: PricedPlans, plans: list[Plan]) -> None:
+    """The allocator model of ``plans``, kept for the rankings that show them."""
+    _exact_in_layout_order(priced, plans, priced.hw.device_type == "cuda")
 
 
 def _without_timeline(prediction: Prediction) -> Prediction:

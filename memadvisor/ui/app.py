@@ -35,9 +35,11 @@ RIGHT = BYTE_FIELDS | {"count", "step_time_factor"}
 WIDE = frozenset({"plan", "changes", "code", "source", "module", "function", "name"})
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 #: how long a request for the plan table waits for the background ranking before the page
-#: shows "ranking ..." and asks again (``plan-poll``)
+#: shows "ranking ..." and asks again every ``PLAN_POLL_MS`` (``plan-poll``), each poll
+#: waiting less than that (the interval does not wait for the last poll's answer)
 PLAN_WAIT_S = 5.0
-PLAN_POLL_MS = 200
+PLAN_POLL_MS = 250
+PLAN_POLL_WAIT_S = 0.2
 
 MOMENT_COLUMNS = [("bytes", "bytes"), ("category", "category"), ("op", "op"),
                   ("module", "module"), ("dtype", "dtype"), ("shape", "shape"),
@@ -49,32 +51,40 @@ SITE_COLUMNS = [("bytes", "bytes"), ("count", "count"), ("category", "category")
 
 
 def _grid(grid_id: str, pairs, rows=None, *, page_size: int | None = None,
-          select_by: str | None = None, height: str = "auto") -> dag.AgGrid:
+          select_by: str | None = None, row_id: str | None = None, wrap: bool = True,
+          height: str = "auto") -> dag.AgGrid:
     """A sortable grid (dash-ag-grid: Dash's own DataTable is deprecated).  ``select_by``:
-    single-row selection by clicking, rows identified by that field."""
+    single-row selection by clicking, rows identified by that field; ``row_id``: rows
+    identified by that field only (a new rowData then redraws only the rows that changed);
+    (a string field); ``wrap``: long text wraps in taller rows (else one line each, the whole text on
+    hover: rows of one height draw at once)."""
     columns = []
     for field, name in pairs:
         column: dict[str, Any] = {"field": field, "headerName": name}
-        if field in WIDE:  # long text wraps in a wider column; the rest stay one line
-            column.update(flex=3, wrapText=True, autoHeight=True, minWidth=180)
+        if field in WIDE:  # long text in a wider column; the rest stay one line
+            column.update(flex=3, minWidth=180)
+            column.update(wrapText=True, autoHeight=True) if wrap else column.update(
+                tooltipField=field)
         if field in BYTE_FIELDS:
             column["valueFormatter"] = BYTES_FORMAT
         if field in RIGHT:
             column["type"] = "rightAligned"
         columns.append(column)
     options: dict[str, Any] = {"domLayout": "autoHeight"} if height == "auto" else {}
+    options["animateRows"] = False
     if page_size:
         options.update(pagination=True, paginationPageSize=page_size,
                        paginationPageSizeSelector=False)
     if select_by:
         options["rowSelection"] = {"mode": "singleRow", "checkboxes": False,
                                    "enableClickSelection": True}
+    identified_by = select_by or row_id
     return dag.AgGrid(
         id=grid_id, columnDefs=columns, rowData=rows or [], dashGridOptions=options,
         defaultColDef={"sortable": True, "resizable": True, "flex": 1, "minWidth": 80,
                        "cellStyle": {"fontSize": "13px"}},
-        getRowId=f"params.data.{select_by}"
-        if select_by else None, selectedRows=[] if select_by else None,
+        getRowId=f"params.data.{identified_by}" if identified_by else None,
+        selectedRows=[] if select_by else None,
         style={"height": height} if height != "auto" else {"width": "100%"})
 
 
@@ -171,7 +181,8 @@ def layout(board: Dashboard, budget_text: str = "") -> html.Div:
                                         config=GRAPH_CONFIG),
                               style={"flex": "1 1 380px", "minWidth": "320px"}),
                      html.Div(_grid("moment-table", MOMENT_COLUMNS, moment_rows,
-                                    page_size=25, height="560px"),
+                                    page_size=25, row_id="row_id", wrap=False,
+                                    height="560px"),
                          style={"flex": "2 1 640px", "minWidth": "480px"}),
                  ], style={"display": "flex", "flexWrap": "wrap", "gap": "12px"}),
                  section_id="moment-section"),
@@ -215,15 +226,24 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
         figure, caption = board.timeline_view(step, budget)
         return figure, caption, new_unit
 
-    @app.callback(Output("moment-caption", "children"), Output("moment-breakdown", "figure"),
-                  Output("moment-table", "rowData"),
+    # a click's answer comes in two: the table first (what the page waits for), the chart
+    # of bytes per category beside it
+    @app.callback(Output("moment-caption", "children"), Output("moment-table", "rowData"),
                   Input("step", "value"), Input("timeline", "clickData"),
                   prevent_initial_call=True)
     def _moment(step, click_data):
         # a new step starts at its peak: the last click belonged to the old figure
         if dash.ctx.triggered_id == "step":
             click_data = None
-        return board.moment_view(step, click_data)
+        return board.moment_table(step, click_data)
+
+    @app.callback(Output("moment-breakdown", "figure"),
+                  Input("step", "value"), Input("timeline", "clickData"),
+                  prevent_initial_call=True)
+    def _moment_breakdown(step, click_data):
+        if dash.ctx.triggered_id == "step":
+            click_data = None
+        return board.moment_breakdown(step, click_data)
 
     @app.callback(Output("sites-caption", "children"), Output("sites-table", "rowData"),
                   Output("modules", "figure"), Input("step", "value"),
@@ -241,9 +261,11 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
                   Input("budget", "value"), Input("gpus", "value"),
                   Input("plan-poll", "n_intervals"))
     def _plans(budget, gpus, _polls):
-        rows, message, selected, pending = board.plans_view(budget, gpus, PLAN_WAIT_S)
+        polled = dash.ctx.triggered_id == "plan-poll"
+        rows, message, selected, pending = board.plans_view(
+            budget, gpus, PLAN_POLL_WAIT_S if polled else PLAN_WAIT_S)
         if pending:  # not ready yet: say so (once), and ask again shortly
-            if dash.ctx.triggered_id == "plan-poll":
+            if polled:
                 return no_update, no_update, no_update, False
             return [], message, [], False
         return rows, message, [rows[i] for i in selected], True

@@ -64,6 +64,7 @@ class DashboardData:
     baseline: Trace | None = None
     comparison: dict[str, Any] | None = None
     _columns: dict = field(default_factory=dict, repr=False)
+    _windows: dict = field(default_factory=dict, repr=False)
     _timelines: dict = field(default_factory=dict, repr=False)
     _sites: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -99,7 +100,11 @@ class DashboardData:
             return self._columns
 
     def step_window(self, step: int | None) -> slice:
-        return analysis.step_slice(self.trace.events, step)
+        """``analysis.step_slice`` (a binary search of a million steps: kept per step)."""
+        with self._lock:
+            if step not in self._windows:
+                self._windows[step] = analysis.step_slice(self.trace.events, step)
+            return self._windows[step]
 
     def sites(self, step: int | None) -> dict[str, Any]:
         """``summary.peak_sites`` of ``step`` (None: the whole run), each top site with

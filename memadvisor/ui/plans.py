@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import (BrokenExecutor, CancelledError, Future, ProcessPoolExecutor,
                                 ThreadPoolExecutor)
@@ -40,6 +41,8 @@ from ..units import format_bytes
 KEPT_RANKINGS = 64
 KEPT_PRICES = 4
 KEPT_DETAILS = 32
+#: the worker prefetches only after this long without a job someone asked for
+PREFETCH_AFTER_IDLE_S = 1.0
 
 
 @dataclass
@@ -135,6 +138,19 @@ class Simulator:
                    f"{misses}")
         return PlanRanking(budget_bytes, num_gpus, rows, message)
 
+    def prefetch(self, budget_bytes: int, num_gpus: int, count: int = 1) -> int:
+        """Price exactly the next ``count`` plans some budget would show (those nearest
+        ``budget_bytes`` first); returns how many are left."""
+        from ..simulate.ranking import price_exactly, shown_somewhere
+
+        try:
+            priced = self.prices(num_gpus)
+        except UserError:
+            return 0
+        todo = shown_somewhere(priced, budget_bytes)
+        price_exactly(priced, todo[:count])
+        return max(len(todo) - count, 0)
+
     def detail(self, plan_spec: str) -> dict[str, Any]:
         from ..simulate import simulate
         from ..simulate.output import simulate_dict
@@ -215,10 +231,62 @@ class PlanAdvisor:
                                              thread_name_prefix="memadvisor-plans")
         self._rankings: _Kept = _Kept(KEPT_RANKINGS)  # (budget, gpus) -> Future[PlanRanking]
         self._details = _Kept(KEPT_DETAILS)  # plan spec -> detail dict
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._asked: set[Future] = set()  # jobs someone waits for: ahead of any prefetch
+        self._last: tuple[int, int] | None = None  # the last (budget, GPUs) asked for
+        self._wake = threading.Event()
+        self._last_asked = time.monotonic()
+        self._closed = False
+        self._prefetcher: threading.Thread | None = None
 
-    def _submit(self, method: str, *args) -> Future:
-        return self.worker.submit(_job, self._key, method, *args)
+    def _submit(self, method: str, *args, asked: bool = True) -> Future:
+        future = self.worker.submit(_job, self._key, method, *args)
+        if asked:
+            with self._lock:
+                self._asked.add(future)
+                self._last_asked = time.monotonic()
+            future.add_done_callback(self._answered)
+        return future
+
+    def _answered(self, future: Future) -> None:
+        with self._lock:
+            self._asked.discard(future)
+            self._last_asked = time.monotonic()
+        self._wake.set()
+
+    def prefetch_in_background(self) -> None:
+        """While nobody waits for the worker, have it make the allocator model of the plans
+        other budgets would show, those nearest the last budget asked for first, one plan a
+        job (a new ranking waits for one plan at most).  Started by the command; what is
+        shown does not depend on it, only how soon."""
+        if self._prefetcher is None:
+            self._prefetcher = threading.Thread(target=self._prefetch_loop, daemon=True,
+                                                name="memadvisor-prefetch")
+            self._prefetcher.start()
+
+    def _prefetch_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._closed:
+                with self._lock:
+                    busy, last = bool(self._asked), self._last
+                    quiet_s = time.monotonic() - self._last_asked
+                if busy or last is None:
+                    break  # woken again when the jobs asked for are done
+                if quiet_s < PREFETCH_AFTER_IDLE_S:
+                    # someone is editing: a job started now would hold up their next one
+                    if self._wake.wait(PREFETCH_AFTER_IDLE_S - quiet_s):
+                        self._wake.clear()
+                    continue
+                try:
+                    left = self._submit("prefetch", *last, asked=False).result()
+                except (BrokenExecutor, CancelledError, RuntimeError):
+                    return  # the worker is gone or shut down
+                with self._lock:
+                    moved = self._last != last
+                if not left and not moved:
+                    break
 
     def price_in_background(self, num_gpus: int) -> Future:
         """Start pricing every plan for ``num_gpus`` (what any budget's ranking needs)."""
@@ -240,6 +308,7 @@ class PlanAdvisor:
             for other, queued in list(self._rankings.items()):
                 if queued.cancel():
                     del self._rankings[other]
+            self._last = key
             future = self._submit("rank", *key)
             self._rankings.use(key, lambda: future)
             return future
@@ -275,6 +344,8 @@ class PlanAdvisor:
         return data
 
     def close(self) -> None:
+        self._closed = True
+        self._wake.set()
         self.worker.shutdown(wait=False, cancel_futures=True)
         _SIMULATORS.pop(self._key, None)
 

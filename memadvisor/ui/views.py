@@ -7,6 +7,7 @@ Dash renders them as text, never markup, whatever a module or file is called.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import plotly.graph_objects as go
@@ -17,6 +18,10 @@ from ..units import format_bytes, parse_bytes
 from . import data as ui_data
 from . import figures, memory
 from .plans import PlanAdvisor, PlanRanking
+
+
+#: moments kept (a click's table and chart are two requests; a step's peak is asked again)
+KEPT_MOMENTS = 8
 
 
 def parse_budget(text: Any) -> int | None:
@@ -52,6 +57,8 @@ class Dashboard:
         self.advisor = advisor or PlanAdvisor(data.trace, gpu, after_job=memory.trim)
         self.trace_name = trace_name or data.trace.path or "trace"
         self.baseline_name = baseline_name
+        self._moments: dict = {}
+        self._moments_lock = threading.Lock()
         if rank_now and advisor is None:
             start_ranking(self.advisor, budget_bytes, num_gpus)
 
@@ -102,14 +109,16 @@ class Dashboard:
                     ) -> tuple[str, go.Figure, list[dict[str, Any]]]:
         """What is alive at the clicked event (default: the step's peak): a caption, the
         bytes per category, and the storages largest first."""
-        step = ui_data.step_value(step_value)
-        position = ui_data.clicked_position(self.data, step, click_data)
-        at_peak = position is None
-        if at_peak:
-            position = ui_data.peak_position(self.data, step)
-        if position < 0:
-            return "no events in this step", figures.breakdown_figure({}), []
-        m = ui_data.moment(self.data, position, step)
+        caption, rows = self.moment_table(step_value, click_data)
+        return caption, self.moment_breakdown(step_value, click_data), rows
+
+    def moment_table(self, step_value: Any, click_data: dict | None = None
+                     ) -> tuple[str, list[dict[str, Any]]]:
+        """The caption and rows of ``moment_view`` (a click's first answer: the page draws
+        them before the chart)."""
+        m, at_peak = self._moment(step_value, click_data)
+        if m is None:
+            return "no events in this step", []
         where = "the peak" if at_peak else "the selected moment"
         shown = (f"all {m.storage_count:,} storages" if len(m.rows) == m.storage_count else
                  f"the {len(m.rows):,} largest of {m.storage_count:,} storages "
@@ -117,9 +126,41 @@ class Dashboard:
         caption = (f"At {where}: {format_bytes(m.live_bytes)} live at {m.time_ms:.3f} ms "
                    f"(event {m.seq}, {m.phase}, {m.module or '(top level)'}, "
                    f"{m.op or '?'}); {shown}, largest first.")
-        fig = figures.breakdown_figure(m.by_category, title=f"Alive at {where}, by category")
-        rows = [dict(r, size=format_bytes(r["bytes"])) for r in m.rows]
-        return caption, fig, rows
+        # row_id: what the grid knows a row by (a string), so a storage alive at both
+        # moments keeps its row
+        rows = [dict(r, size=format_bytes(r["bytes"]), row_id=str(r["storage_id"]))
+                for r in m.rows]
+        return caption, rows
+
+    def moment_breakdown(self, step_value: Any, click_data: dict | None = None) -> go.Figure:
+        """The bytes per category of ``moment_view``."""
+        m, at_peak = self._moment(step_value, click_data)
+        if m is None:
+            return figures.breakdown_figure({})
+        where = "the peak" if at_peak else "the selected moment"
+        return figures.breakdown_figure(m.by_category, title=f"Alive at {where}, by category")
+
+    def _moment(self, step_value: Any, click_data: dict | None
+                ) -> tuple[ui_data.Moment | None, bool]:
+        """The moment a click points at (None: a step without events) and whether it is
+        the step's peak; the last few kept (a click asks for its table and its chart)."""
+        step = ui_data.step_value(step_value)
+        position = ui_data.clicked_position(self.data, step, click_data)
+        at_peak = position is None
+        if at_peak:
+            position = ui_data.peak_position(self.data, step)
+        if position < 0:
+            return None, at_peak
+        key = (step, position)
+        with self._moments_lock:
+            known = self._moments.get(key)
+        if known is None:
+            known = ui_data.moment(self.data, position, step)
+            with self._moments_lock:
+                self._moments[key] = known
+                while len(self._moments) > KEPT_MOMENTS:
+                    self._moments.pop(next(iter(self._moments)))
+        return known, at_peak
 
     def sites_view(self, step_value: Any) -> tuple[str, list[dict[str, Any]], go.Figure]:
         """The step's largest allocation sites alive at its peak (a caption, the table's
