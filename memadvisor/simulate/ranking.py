@@ -11,6 +11,10 @@ largest micro-batch (``max_micro_batch`` stays empty: the dashboard does not sho
 each plan's allocator model runs once to its end and is kept without its timeline, so a
 later budget reuses it; where the end differs from ``advise``'s early stop (a plan whose
 reserved memory passes the usable bytes), the plan is priced again with that stop.
+
+``shown_somewhere`` lists the plans some budget's ranking would show and ``price_exactly``
+makes their allocator model ahead of time: a caller with time to spare (the dashboard's
+idle worker) makes later budgets a filter and a sort.
 """
 from __future__ import annotations
 

@@ -85,3 +85,20 @@ def test_a_page_does_not_wait_for_a_ranking_in_progress(transformer_trace):
         assert rows and not pending
     finally:
         board.advisor.close()
+
+
+def test_plans_priced_ahead_rank_as_advise(transformer_trace):
+    """What the idle worker prices ahead (the plans other budgets would show) changes how
+    soon a ranking comes, never what it shows."""
+    board = Dashboard(ui_data.load(transformer_trace), num_gpus=GPUS, rank_now=False)
+    try:
+        assert board.advisor._submit("prefetch", 8 * GIB, GPUS, 10**6).result() == 0
+        budget = 6 * GIB
+        trace = read_trace(transformer_trace)
+        result = advise(baseline_as_applied(trace), hardware(None, trace.meta.device), budget,
+                        GPUS)
+        expected = ([plan_row(p, True) for p in result.ranked]
+                    + [plan_row(p, False) for p in result.too_big[:SHOWN_OVER_BUDGET]])
+        assert board.plans_view(str(budget), GPUS)[0] == expected
+    finally:
+        board.advisor.close()
