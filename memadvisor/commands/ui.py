@@ -45,6 +45,7 @@ def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_bro
     budget_bytes = parse_bytes(budget) if budget is not None else None
     memory.bound_malloc()  # a server that runs for hours keeps its memory where it started
     server = bind(host, port)  # a taken port fails before the traces are read
+    advisor = None
     try:
         trace, baseline = ui_data.read(trace_path, baseline_path)
         # the plans are priced in a worker from here on, while the page is made and served
@@ -58,9 +59,14 @@ def command(trace_path, budget, num_gpus, gpu, baseline_path, host, port, no_bro
         server.app.target = one_line_errors(build_app(board, budget or "").server)
     except BaseException:
         server.server_close()
+        if advisor is not None:
+            advisor.close()
         raise
-    serve(server, open_browser=should_open_browser(no_browser),
-          announce=lambda url: click.echo(f"memadvisor: dashboard at {url} (Ctrl-C stops)"))
+    try:
+        serve(server, open_browser=should_open_browser(no_browser),
+              announce=lambda url: click.echo(f"memadvisor: dashboard at {url} (Ctrl-C stops)"))
+    finally:
+        advisor.close()
     return 0
 
 

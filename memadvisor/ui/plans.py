@@ -344,8 +344,12 @@ class PlanAdvisor:
         return data
 
     def close(self) -> None:
+        """Stop the worker now, in the middle of a job if need be (the server is going)."""
         self._closed = True
         self._wake.set()
+        # a forked worker is ended, not waited for: a pricing can take many seconds
+        for process in list((getattr(self.worker, "_processes", None) or {}).values()):
+            process.terminate()
         self.worker.shutdown(wait=False, cancel_futures=True)
         _SIMULATORS.pop(self._key, None)
 
