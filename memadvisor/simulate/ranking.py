@@ -57,8 +57,13 @@ class PricedPlans:
 
 
 def price_plans(base: Baseline, hw: Hardware, gpus: int = 1, *, allow: set[str] | None = None,
-                objective: str = "cost", expandable_segments: bool = False) -> PricedPlans:
-    """``advise``'s candidates and fast pass, which no budget changes."""
+                objective: str = "cost", expandable_segments: bool = False,
+                part: tuple[int, int] = (0, 1)) -> PricedPlans:
+    """``advise``'s candidates and fast pass, which no budget changes.
+
+    ``part=(i, n)``: price only the ``i``-th of ``n`` shares of the lifetime layouts (in
+    the order they run, about as many plans each; the other plans' outcomes stay None), for
+    ``n`` processes to share the work; ``merge_parts`` puts the shares together."""
     allow = set(allow or ())
     rank_key(objective)  # an unknown objective is a UserError now, not at the first budget
     unknown = allow - set(SEMANTIC)
@@ -83,8 +88,12 @@ def price_plans(base: Baseline, hw: Hardware, gpus: int = 1, *, allow: set[str] 
     # done (as ``advise``'s fast pass: memory holds one layout)
     needs = {key: layout_cache_keys(base, plans[indices[0]], hw, cache)
              for key, indices in by_layout.items()}
-    users = Counter(entry for entries in needs.values() for entry in entries)
-    for key in sorted(by_layout, key=lambda k: repr(needs[k])):
+    order = sorted(by_layout, key=lambda k: repr(needs[k]))
+    if part[1] > 1:
+        mine = _share([needs[k][0] for k in order], *part)
+        order = [k for k in order if needs[k][0] in mine]
+    users = Counter(entry for key in order for entry in needs[key])
+    for key in order:
         bounds: dict = {}
         for index in by_layout[key]:
             plan = plans[index]
@@ -102,6 +111,33 @@ def price_plans(base: Baseline, hw: Hardware, gpus: int = 1, *, allow: set[str] 
     # ``advise``'s does
     return PricedPlans(base, hw, gpus, frozenset(allow), objective, expandable_segments, plans,
                        outcomes, cache=cache, stage_keys=set(users))
+
+
+def _share(stages: list, index: int, count: int) -> set:
+    """The ``index``-th of ``count`` shares of the layouts, by the first timeline they
+    build (layouts sharing it stay together: it is made once): the stages that most
+    layouts use go first, each to the share with the fewest layouts so far."""
+    uses = Counter(repr(stage) for stage in stages)
+    loads = [0] * count
+    mine = set()
+    for stage, layouts in sorted(uses.items(), key=lambda item: (-item[1], item[0])):
+        least = loads.index(min(loads))
+        loads[least] += layouts
+        if least == index:
+            mine.add(stage)
+    return {stage for stage in stages if repr(stage) in mine}
+
+
+def merge_parts(priced: PricedPlans, *others: list) -> PricedPlans:
+    """``priced`` (one share) with the outcomes of the other shares filled in."""
+    for outcomes in others:
+        for index, outcome in enumerate(outcomes):
+            if priced.outcomes[index] is None:
+                priced.outcomes[index] = outcome
+    missing = sum(outcome is None for outcome in priced.outcomes)
+    if missing:
+        raise ValueError(f"{missing} plans priced by no share")
+    return priced
 
 
 def rank(priced: PricedPlans, budget_bytes: int, *, margin: float = 0.05, top: int = 10,

@@ -41,6 +41,8 @@ from ..units import format_bytes
 KEPT_RANKINGS = 64
 KEPT_PRICES = 4
 KEPT_DETAILS = 32
+#: processes that price the plans for a number of GPUs (the worker and ones it forks)
+PRICING_PROCESSES = 2
 #: the worker prefetches only after this long without a job someone asked for
 PREFETCH_AFTER_IDLE_S = 1.0
 
@@ -77,9 +79,12 @@ class Simulator:
     """The worker's side: the trace's baseline, its plans priced per number of GPUs, and
     the rankings and predictions made from them."""
 
-    def __init__(self, trace: Trace, hw, after_job: Callable[[], None] | None = None):
+    def __init__(self, trace: Trace, hw, after_job: Callable[[], None] | None = None, *,
+                 key: int = 0, pricing_processes: int = 1):
         self.trace = trace
         self.hardware = hw
+        self.key = key  # its entry in ``_SIMULATORS``
+        self.pricing_processes = pricing_processes
         self._after_job = after_job  # e.g. give freed memory back (``memory.trim``)
         self._base = None
         self._base_error: str | None = None
@@ -99,11 +104,9 @@ class Simulator:
         return self._base
 
     def prices(self, num_gpus: int):
-        from ..simulate.ranking import price_plans
-
         def make():
             try:
-                return price_plans(self.baseline(), self.hardware, num_gpus)
+                return self._price(self.baseline(), num_gpus)
             except UserError as exc:
                 return str(exc)
 
@@ -111,6 +114,21 @@ class Simulator:
         if isinstance(priced, str):
             raise UserError(priced)
         return priced
+
+    def _price(self, base, num_gpus: int):
+        """Every plan priced, the work shared with ``pricing_processes - 1`` processes
+        forked from this one (they start with the baseline made)."""
+        from ..simulate.ranking import merge_parts, price_plans
+
+        shares = self.pricing_processes
+        if shares < 2:
+            return price_plans(base, self.hardware, num_gpus)
+        with ProcessPoolExecutor(shares - 1, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_worker_started, initargs=((),)) as helpers:
+            others = [helpers.submit(_price_part, self.key, num_gpus, (index, shares))
+                      for index in range(1, shares)]
+            mine = price_plans(base, self.hardware, num_gpus, part=(0, shares))
+            return merge_parts(mine, *(other.result() for other in others))
 
     def price(self, num_gpus: int) -> None:
         try:
@@ -180,6 +198,14 @@ def _job(key: int, method: str, *args) -> Any:
     return _SIMULATORS[key].run(method, *args)
 
 
+def _price_part(key: int, num_gpus: int, part: tuple[int, int]) -> list:
+    """In a process forked by the worker: one share of the plans' prices."""
+    from ..simulate.ranking import price_plans
+
+    simulator = _SIMULATORS[key]
+    return price_plans(simulator.baseline(), simulator.hardware, num_gpus, part=part).outcomes
+
+
 def _worker_started(close_fds: tuple[int, ...]) -> None:
     """In the forked worker: Ctrl-C is the server's to handle (the worker ends with it,
     without a traceback of its own), the worker dies with the server, and it holds none of
@@ -214,8 +240,11 @@ class PlanAdvisor:
         # an unknown --gpu is a UserError now, before the server starts
         self.hardware = hardware(gpu, trace.meta.device)
         self._key = next(_KEYS)
-        _SIMULATORS[self._key] = Simulator(trace, self.hardware, after_job)
-        if fork and "fork" in multiprocessing.get_all_start_methods():
+        forking = fork and "fork" in multiprocessing.get_all_start_methods()
+        _SIMULATORS[self._key] = Simulator(
+            trace, self.hardware, after_job, key=self._key,
+            pricing_processes=min(PRICING_PROCESSES, os.cpu_count() or 1) if forking else 1)
+        if forking:
             # the simulation modules are imported before the fork, not by the worker
             from ..simulate import ranking, simulator  # noqa: F401
             from ..simulate import output  # noqa: F401
@@ -348,9 +377,11 @@ class PlanAdvisor:
         self._closed = True
         self._wake.set()
         # a forked worker is ended, not waited for: a pricing can take many seconds
-        for process in list((getattr(self.worker, "_processes", None) or {}).values()):
+        processes = list((getattr(self.worker, "_processes", None) or {}).values())
+        for process in processes:
             process.terminate()
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        # joined once ended (quick), so that nothing of it is left for the exit to close
+        self.worker.shutdown(wait=bool(processes), cancel_futures=True)
         _SIMULATORS.pop(self._key, None)
 
 
