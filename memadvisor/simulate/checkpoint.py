@@ -4,7 +4,9 @@ For each checkpointed region (a module path and its submodules; '' is the whole 
 
 * forward: activations the region saves for its own backward (allocated in the region's
   forward, still alive when the region's backward starts) are freed when the region's
-  forward ends instead;  the region's output, saved downstream, keeps its lifetime;
+  forward ends instead;  the region's output, saved downstream, keeps its lifetime.  A
+  step with several backward passes calls the region once per pass (a GAN's
+  discriminator): each call, with the backward that follows it, is transformed alone;
 * backward: just before the region's first backward allocation its forward is replayed
   (activations and temporaries, in their order) up to the last saved tensor (non-reentrant
   checkpoint stops recomputing early there); recomputed activations then die at their
@@ -61,15 +63,49 @@ def _checkpoint_region(timeline: Timeline, region: str, device_type: str):
     backward_allocs = np.flatnonzero(allocs & (timeline.event_phase == _BACKWARD))
     if not len(forward_allocs) or not len(backward_allocs):
         return timeline, None
-    start, end = int(forward_allocs[0]), int(forward_allocs[-1])
-    backward_start = int(backward_allocs[0])
+    freed, spans = 0, []
+    for calls in _calls(timeline, forward_allocs):
+        start, end = int(calls[0]), int(calls[-1])
+        after = backward_allocs[backward_allocs > end]
+        if not len(after):
+            continue
+        timeline, saved_bytes, last_saved = _checkpoint_call(
+            timeline, member, start, end, after, device_type)
+        if saved_bytes:
+            freed += saved_bytes
+            spans.append((start, last_saved))
+    if not spans:
+        return timeline, None
+    return timeline, RegionEffect(region, freed, (spans[0][0], spans[-1][1]))
+
+
+def _calls(timeline: Timeline, forward_allocs: np.ndarray) -> list[np.ndarray]:
+    """The region's forward allocations split where a backward pass runs between them: a
+    step with several backward passes (a GAN's discriminator on real, then on generated
+    data, then for the generator's loss) calls the region once per pass, and each call's
+    recompute runs in the backward that uses its saved tensors, not in the step's first."""
+    backward_so_far = np.cumsum(timeline.event_phase == _BACKWARD)
+    passes = backward_so_far[forward_allocs]
+    return np.split(forward_allocs, np.flatnonzero(np.diff(passes)) + 1)
+
+
+def _checkpoint_call(timeline: Timeline, member: np.ndarray, start: int, end: int,
+                     backward_after: np.ndarray, device_type: str):
+    """One call of the region (forward allocations ``start``..``end``); its backward is the
+    region's next backward allocations (``backward_after``, up to the end of that pass).
+    Returns the timeline, the bytes no longer kept and the last saved row's key."""
+    backward_start = int(backward_after[0])
+    # the pass that backward runs in: it ends at the next event outside backward
+    outside = np.flatnonzero(timeline.event_phase[backward_start:] != _BACKWARD)
+    pass_end = backward_start + int(outside[0]) if len(outside) else timeline.n_events
+    backward_last = int(backward_after[backward_after < pass_end][-1])
 
     in_span = (timeline.alloc_key >= start) & (timeline.alloc_key <= end)
     row_member = member[timeline.module] & in_span
     activation = timeline.category == CATEGORY_CODE[schema.ACTIVATION]
     saved = row_member & activation & (timeline.free_key >= backward_start)
     if not saved.any():
-        return timeline, None
+        return timeline, 0, start
     last_saved = float(timeline.alloc_key[saved].max())
 
     # recompute: rows of the region made up to the last saved one, replayed before backward
@@ -104,8 +140,7 @@ def _checkpoint_region(timeline: Timeline, region: str, device_type: str):
         out = out.appended({
             "size": np.full(2, CPU_RNG_STATE_BYTES, float),
             "alloc_key": np.array([start - 0.5, squeeze(start - 0.5)]),
-            "free_key": np.array([float(backward_allocs[-1]) + 0.5, recompute_end]),
+            "free_key": np.array([float(backward_last) + 0.5, recompute_end]),
             "category": np.full(2, CATEGORY_CODE[schema.OTHER], np.int8),
             "phase": np.array([_FORWARD, _BACKWARD], np.int8)})
-    effect = RegionEffect(region, int(timeline.size[saved].sum()), (start, int(last_saved)))
-    return out, effect
+    return out, int(timeline.size[saved].sum()), int(last_saved)
