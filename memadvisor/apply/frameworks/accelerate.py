@@ -16,8 +16,8 @@ zero2 / zero3       ``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
 checkpoint          ``accelerator.prepare(checkpointed(model), ...)``: torch's checkpoint
                     around the plan's blocks before accelerate wraps the model
 ddp                 torchrun's environment makes ``prepare`` wrap in DDP; on a machine
-                    without CUDA only with ``cpu=True``: ``cpu=<no CUDA here>`` is set
-                    where the script does not set ``cpu=`` itself
+                    without CUDA only with ``cpu=True``: ``cpu=<no CUDA here>``
+                    (``source.cpu_switch``)
 ==================  ==================================================================
 
 The script's own ``accelerator.backward(loss)`` and ``optimizer.step()`` stay as they are:
@@ -29,7 +29,7 @@ import libcst as cst
 
 from ...plan import Plan
 from ..rewrite import RewriteError
-from .source import Edits, Script, keyword, source_of, split_batch
+from .source import Edits, Script, cpu_switch, keyword, source_of, split_batch
 
 NAME = "accelerate"
 FRAMEWORK = "accelerate"
@@ -54,10 +54,9 @@ def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, st
     if plan.precision != "fp32":
         edits.set(call, "mixed_precision", {"amp-bf16": '"bf16"', "amp-fp16": '"fp16"'}[
             plan.precision])
-    if plan.world > 1 and not plan.uses_fsdp and keyword(call, "cpu") is None:
-        # without CUDA accelerate distributes only with cpu=True (the script's own cpu=
-        # stays: a cpu=False there is the user's choice, and the check says it did nothing)
-        edits.set(call, "cpu", f"{alias}.without_cuda()")
+    switch = cpu_switch(call, "cpu", alias)
+    if plan.world > 1 and not plan.uses_fsdp and switch is not None:
+        edits.set(call, "cpu", switch)  # without CUDA accelerate distributes only with it
     if plan.world > 1:
         if keyword(call, "dataloader_config") is not None:
             raise RewriteError(f"{at}: Accelerator(dataloader_config=...) is the script's own; "

@@ -10,7 +10,7 @@ optimizer           ``optim=`` sgd / adafactor / adamw_bnb_8bit (sgd-momentum: `
 zero2 / zero3       ``fsdp=True``, ``fsdp_config={"reshard_after_forward": False / True}``
 ddp                 torchrun's environment makes the Trainer wrap the model in DDP; on a
                     machine without CUDA only with ``use_cpu=True``: ``use_cpu=<no CUDA
-                    here>`` is set where the script sets neither it nor ``no_cuda``
+                    here>`` (``source.cpu_switch``)
 ==================  ==================================================================
 
 Everything else is refused here, by name, before anything runs; which keywords and
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from ...plan import Plan
 from ..rewrite import RewriteError
-from .source import Edits, Script, has_star_kwargs, keyword, literal, split_batch, string
+from .source import (Edits, Script, cpu_switch, has_star_kwargs, keyword, literal, split_batch,
+                     string)
 
 NAME = "HF Trainer"
 FRAMEWORK = "hf-trainer"
@@ -74,11 +75,10 @@ def rewrite(script: Script, plan: Plan, alias: str) -> tuple[Edits, dict[str, st
     if missing:
         raise RewriteError(f"{at}: the installed transformers' TrainingArguments has no "
                            f"{missing[0]}= (needed for the plan {plan})")
+    switch = cpu_switch(call, "use_cpu", alias)
     if (plan.world > 1 and not plan.uses_fsdp and "use_cpu" in fields
-            and keyword(call, "use_cpu") is None and keyword(call, "no_cuda") is None):
-        # without CUDA the Trainer distributes only with use_cpu=True (the script's own
-        # use_cpu= stays: the check says when it kept the plan from taking effect)
-        knobs["use_cpu"] = f"{alias}.without_cuda()"
+            and switch is not None and keyword(call, "no_cuda") is None):
+        knobs["use_cpu"] = switch  # without CUDA the Trainer distributes only with it
     for name, code in knobs.items():
         edits.set(call, name, code)
     split_batch(edits, call, "per_device_train_batch_size", plan.accum * plan.world,

@@ -129,6 +129,22 @@ def literal(node) -> object:
 NOT_LITERAL = object()
 
 
+def cpu_switch(call: cst.Call, name: str, alias: str) -> str | None:
+    """The code for a framework's "train on the CPU" keyword (``Accelerator(cpu=)``,
+    ``TrainingArguments(use_cpu=)``) that lets a data-parallel plan distribute on a machine
+    without CUDA, where it trains nothing distributed otherwise; asked when the script
+    runs, so a GPU machine still uses its GPUs.  None where the script writes a literal
+    there (its own decision; the check at the first step says when it kept the plan from
+    taking effect).  An expression (``cpu=args.cpu``, accelerate's examples) is kept and
+    or-ed with it."""
+    existing = keyword(call, name)
+    if existing is None:
+        return f"{alias}.without_cuda()"
+    if literal(existing.value) is not NOT_LITERAL:
+        return None
+    return f"({source_of(existing.value)}) or {alias}.without_cuda()"
+
+
 def source_of(node) -> str:
     return cst.Module([]).code_for_node(node)
 

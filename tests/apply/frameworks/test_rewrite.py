@@ -137,3 +137,25 @@ def test_lightning_fsdp_strategy_builds_with_the_repeated_blocks_policy():
     model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]))
     wrapped = policy._run_policy(model, set(), {})  # torch's own entry point
     assert {type(m).__name__ for m in wrapped} >= {"Linear"} and len(wrapped) >= 2
+
+
+def test_accelerate_data_parallel_plans_may_train_on_the_cpu():
+    # cpu= as the script has it: absent -> asked at run time; an expression (accelerate's
+    # own examples pass cpu=args.cpu) -> kept, or-ed with it; a literal -> the script's
+    # decision, left alone; FSDP plans are not distributed by cpu=True: not set there
+    plain = ACCELERATE.replace("Accelerator(cpu=True)", "Accelerator()")
+    assert "accelerator = Accelerator(cpu=mem.without_cuda(), dataloader_config=" \
+        "DataLoaderConfiguration(split_batches=True))" in added(plain, "shard=ddp,world=2")
+    by_option = ACCELERATE.replace("Accelerator(cpu=True)", "Accelerator(cpu=args.cpu)")
+    assert any("cpu=(args.cpu) or mem.without_cuda()" in line
+               for line in added(by_option, "shard=ddp,world=2"))
+    assert not any("without_cuda" in line for line in added(ACCELERATE, "shard=ddp,world=2"))
+    assert not any("without_cuda" in line for line in added(plain, "accum=2"))
+    assert not any("without_cuda" in line for line in added(plain, "shard=zero3,world=2"))
+
+
+@needs_transformers
+def test_hf_data_parallel_plans_may_train_on_the_cpu():
+    plain = HF_TRAINER.replace("use_cpu=True, ", "")
+    assert any("use_cpu=mem.without_cuda()" in line for line in added(plain, "shard=ddp,world=2"))
+    assert not any("without_cuda" in line for line in added(HF_TRAINER, "shard=ddp,world=2"))
