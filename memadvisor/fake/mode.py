@@ -13,7 +13,8 @@ Every fake CUDA tensor an op returns has its storage counted by ``memory.LiveFak
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import (DataDependentOutputException,
+from torch._subclasses.fake_tensor import (_DISPATCH_META_HANDLERS,
+                                           DataDependentOutputException,
                                            DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, UnsupportedOperatorException)
 from torch.utils._pytree import tree_iter
@@ -70,6 +71,13 @@ class SimulatedGpuMode(FakeTensorMode):
         return True
 
     def dispatch(self, func, types, args=(), kwargs=None):
+        metadata = _DISPATCH_META_HANDLERS.get(func)
+        if metadata is not None and args and isinstance(args[0], FakeTensor):
+            # a fake tensor's device (or size, stride) asked from C++: most ops dispatched
+            # are these; FakeTensorMode answers them from the tensor alone, before
+            # anything below could apply (no value read, no real CPU op, nothing made)
+            self.placeholder_log.ops_dispatched += 1
+            return metadata(args)
         kwargs = kwargs or {}
         if func in _NO_OPS:
             return None

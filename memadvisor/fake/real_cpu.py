@@ -16,7 +16,7 @@ fake one (FakeTensorMode converts real inputs), as a host-to-device copy would.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.utils._pytree import tree_flatten, tree_map
 
 #: elements an op may make for real on the CPU (4 MiB of float32): data-sized, never a
@@ -30,6 +30,14 @@ def runs_for_real(func, args, kwargs, value_reads=frozenset()) -> bool:
     """Whether ``func(*args, **kwargs)`` reads only real CPU tensors and makes only small
     CPU ones.  ``value_reads``: ops that read values (``item``, ``nonzero``): real on a
     small real tensor, whose values are there to read."""
+    if args:
+        # the usual answer, without flattening every argument: an op on a fake tensor
+        # (a foreach op: a list of them) stays fake
+        first = args[0]
+        if isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        if isinstance(first, FakeTensor):
+            return False
     leaves, _ = tree_flatten((args, kwargs))
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
