@@ -22,6 +22,7 @@ import dataclasses
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from ..errors import UserError
 from ..plan import Environment, Plan, PlanError, environment_problems
@@ -49,6 +50,9 @@ class PricedPlans:
     #: ``simulate``'s cache: the timelines of the last layout priced exactly (only those)
     cache: dict = field(default_factory=dict, repr=False)
     stage_keys: set = field(default_factory=set, repr=False)
+    #: optional: starts the allocator model of some plans elsewhere (another process) and
+    #: returns a future of their predictions, so that a ranking shares the work with it
+    helper: Callable[[list[Plan]], Any] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -204,6 +208,14 @@ def _exact_in_layout_order(priced: PricedPlans, plans: list[Plan],
             else:
                 todo.append(index)
     keys = {index: layout_cache_keys(base, plans[index], hw, cache) for index in todo}
+    helped = None
+    if priced.helper is not None and len(todo) > 1:
+        # half the layouts (plans sharing timelines stay together) to the helper
+        theirs = _share([keys[index] for index in todo], 1, 2)
+        given = [index for index in todo if keys[index] in theirs]
+        if given:
+            helped = (given, priced.helper([plans[index] for index in given]))
+            todo = [index for index in todo if keys[index] not in theirs]
     for index in sorted(todo, key=lambda i: repr(keys[i])):
         for entry in stage_keys.difference(keys[index]):
             cache.pop(entry, None)
@@ -214,6 +226,12 @@ def _exact_in_layout_order(priced: PricedPlans, plans: list[Plan],
         results[index] = prediction
         with priced._lock:
             priced.exact[plans[index].to_compact()] = prediction
+    if helped is not None:
+        given, future = helped
+        for index, prediction in zip(given, future.result()):
+            results[index] = prediction
+            with priced._lock:
+                priced.exact[plans[index].to_compact()] = prediction
     return results
 
 

@@ -85,6 +85,7 @@ class Simulator:
         self.hardware = hw
         self.key = key  # its entry in ``_SIMULATORS``
         self.pricing_processes = pricing_processes
+        self._helping: tuple[int, ProcessPoolExecutor] | None = None
         self._after_job = after_job  # e.g. give freed memory back (``memory.trim``)
         self._base = None
         self._base_error: str | None = None
@@ -106,9 +107,13 @@ class Simulator:
     def prices(self, num_gpus: int):
         def make():
             try:
-                return self._price(self.baseline(), num_gpus)
+                priced = self._price(self.baseline(), num_gpus)
             except UserError as exc:
                 return str(exc)
+            if self.pricing_processes > 1:
+                priced.helper = lambda plans: self._helper(num_gpus).submit(
+                    _exact_part, self.key, num_gpus, plans)
+            return priced
 
         priced = self._priced.use(num_gpus, make)
         if isinstance(priced, str):
@@ -129,6 +134,19 @@ class Simulator:
                       for index in range(1, shares)]
             mine = price_plans(base, self.hardware, num_gpus, part=(0, shares))
             return merge_parts(mine, *(other.result() for other in others))
+
+    def _helper(self, num_gpus: int) -> ProcessPoolExecutor:
+        """A process forked from this one once the plans for ``num_gpus`` are priced, that
+        makes half the allocator models a ranking needs (one at a time: a new number of
+        GPUs replaces it)."""
+        if self._helping is not None and self._helping[0] != num_gpus:
+            _end(self._helping[1])
+            self._helping = None
+        if self._helping is None:
+            pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
+                                       initializer=_worker_started, initargs=((),))
+            self._helping = (num_gpus, pool)
+        return self._helping[1]
 
     def price(self, num_gpus: int) -> None:
         try:
@@ -196,6 +214,26 @@ _KEYS = itertools.count()
 
 def _job(key: int, method: str, *args) -> Any:
     return _SIMULATORS[key].run(method, *args)
+
+
+def _exact_part(key: int, num_gpus: int, plans: list[Plan]) -> list:
+    """In the helper process: the allocator models of ``plans`` (kept here too, so a
+    later ranking's share may find them made)."""
+    from ..simulate.ranking import price_exactly
+
+    priced = _SIMULATORS[key].prices(num_gpus)
+    priced.helper = None  # this process does its share itself
+    price_exactly(priced, plans)
+    return [priced.exact[plan.to_compact()] for plan in plans]
+
+
+def _end(pool: ProcessPoolExecutor) -> None:
+    """End a process pool now, in the middle of a job if need be."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
+        process.terminate()
+    # joined once ended (quick), so that nothing of it is left for the exit to close
+    pool.shutdown(wait=bool(processes), cancel_futures=True)
 
 
 def _price_part(key: int, num_gpus: int, part: tuple[int, int]) -> list:
@@ -376,12 +414,7 @@ class PlanAdvisor:
         """Stop the worker now, in the middle of a job if need be (the server is going)."""
         self._closed = True
         self._wake.set()
-        # a forked worker is ended, not waited for: a pricing can take many seconds
-        processes = list((getattr(self.worker, "_processes", None) or {}).values())
-        for process in processes:
-            process.terminate()
-        # joined once ended (quick), so that nothing of it is left for the exit to close
-        self.worker.shutdown(wait=bool(processes), cancel_futures=True)
+        _end(self.worker)  # a forked worker is ended, not waited for (and its helper)
         _SIMULATORS.pop(self._key, None)
 
 
