@@ -21,9 +21,11 @@
 //     storage id, bytes, op, module, phase, source line, time), with the live
 //     map from block address to storage id that categories are marked on.
 //   * the user's source line, read from the Python stack on the thread that
-//     runs the script (the GIL is taken briefly: the op was called with it
-//     released), once per op that allocates, innermost user frame first.
-//     Which code objects are "user code" is decided once each, in Python.
+//     runs the script, once per op that allocates, innermost user frame first.
+//     Which code objects are "user code" is decided once each, in Python, and
+//     a call site's line once per (code, instruction); after that the stack is
+//     read without the GIL (the op was called with it released; the thread's
+//     own frames cannot change while it runs the op), see read_source.
 //   * the rules the dispatch engine applied per op: autocast's copy of a
 //     parameter is an autocast weight; in forward, a storage made between
 //     steps that an op reads is input data; a trainable leaf read with grad
@@ -32,6 +34,13 @@
 //   * per (module, phase, op) call counts, and the argument shapes of the ops
 //     whose FLOPs the recompute cost model needs (Python evaluates torch's own
 //     FLOP formulas on them once per distinct shape).
+//
+// Cost per op (benchmarks/per_op_overhead.py, at or below torch.profiler's):
+// the op's name is interned once by the address of its name (a per-thread
+// cache, no lock, no string); the books take a spin lock (a single atomic
+// exchange), live blocks sit in open-addressing maps (nothing allocated per
+// block), events in chunks that never move; most of what remains is torch's
+// own: boxing the inputs and capturing the outputs for the callbacks.
 //
 // Threads: events from threads other than the script's (OpenMP workers, gloo)
 // are charged to the op the script's thread is running.  The GIL is never
@@ -54,6 +63,7 @@
 
 #include <ctime>
 #include <map>
+#include <memory>
 #include <string>
 #include <unordered_set>
 
@@ -108,11 +118,58 @@ struct Frame {
   std::vector<int64_t> flop_args;
 };
 
+// The events, in chunks of 2^16 (4 MiB) that never move: appending costs no more at
+// the ten millionth event than at the first (a std::vector copies everything it holds
+// each time it doubles, under the lock, and holds twice the memory meanwhile).
+class EventLog {
+ public:
+  static constexpr size_t CHUNK_BITS = 16;
+  static constexpr size_t CHUNK = size_t(1) << CHUNK_BITS;
+  static constexpr size_t KEPT_CHUNKS = 4;  // kept by clear() for the next session
+
+  size_t size() const { return size_; }
+  Ev& operator[](size_t i) { return chunks_[i >> CHUNK_BITS][i & (CHUNK - 1)]; }
+
+  void push_back(const Ev& ev) {
+    if ((size_ >> CHUNK_BITS) == chunks_.size()) chunks_.emplace_back(new Ev[CHUNK]);
+    (*this)[size_++] = ev;
+  }
+
+  void clear() {
+    if (chunks_.size() > KEPT_CHUNKS) chunks_.resize(KEPT_CHUNKS);
+    size_ = 0;
+  }
+
+  // Copies the first n events (n <= size()) to out.
+  void copy_to(Ev* out, size_t n) const {
+    for (size_t done = 0, chunk = 0; done < n; done += CHUNK, ++chunk) {
+      std::memcpy(out + done, chunks_[chunk].get(), std::min(CHUNK, n - done) * sizeof(Ev));
+    }
+  }
+
+ private:
+  std::vector<std::unique_ptr<Ev[]>> chunks_;
+  size_t size_ = 0;
+};
+
+struct CallSlot {
+  int32_t module;
+  int32_t phase;
+  int64_t* calls;
+};
+
+struct PairHash {
+  size_t operator()(const std::pair<PyObject*, int>& k) const noexcept {
+    return std::hash<uintptr_t>()(reinterpret_cast<uintptr_t>(k.first)) * 31u +
+           static_cast<size_t>(k.second);
+  }
+};
+
 struct T {
-  std::mutex mu;
-  std::vector<Ev> events;
+  SpinLock mu;  // the books: events, live blocks, marks, calls
+  EventLog events;
   std::vector<int64_t> shapes;  // [ndim, d0, d1, ...] records
-  std::unordered_map<uint64_t, Live> live;
+  AddressMap<Live> live;
   std::unordered_map<int64_t, int32_t> marks;   // sid -> category
   std::unordered_map<int64_t, int32_t> owners;  // sid -> module id
   int64_t next_sid = 0;
@@ -143,6 +200,8 @@ struct T {
   std::unordered_set<std::string> flop_ops;
   // (module, phase, op) -> calls
   std::map<std::tuple<int32_t, int32_t, int32_t>, int64_t> calls;
+  // per op id, the counter it used last: an op mostly runs again where it ran before
+  std::vector<CallSlot> call_slots;
   // FLOP records: (module, phase, op, args id); args interned
   std::vector<std::array<int32_t, 4>> flop_calls;
   std::vector<std::vector<int64_t>> flop_args;
@@ -150,6 +209,9 @@ struct T {
   // sources (touched with the GIL held only)
   std::vector<std::pair<PyObject*, int>> sources;
   std::map<std::pair<PyObject*, int>, int32_t> source_ids;
+  // (code object, offset of the instruction running) -> source id: the line number is
+  // computed (a walk of the code's line table) once per call site, not once per op
+  std::unordered_map<std::pair<PyObject*, int>, int32_t, PairHash> site_ids;
   std::unordered_map<PyObject*, bool> user_code;
   PyObject* classify = nullptr;
   PyThreadState* main_ts = nullptr;
@@ -164,6 +226,21 @@ T& tt() {
 
 thread_local std::vector<Frame> t_stack;
 thread_local int t_charged = -1;  // index of the charged frame in t_stack
+
+// Whether this thread runs the script (its Python thread state is main_ts): asked of
+// Python once per thread and session, not once per op and allocation.
+thread_local PyThreadState* t_script_checked_for = nullptr;
+thread_local bool t_on_script_thread = false;
+
+inline bool on_script_thread(const T& t) {
+  PyThreadState* main = t.main_ts;
+  if (main == nullptr) return false;
+  if (t_script_checked_for != main) {
+    t_on_script_thread = PyGILState_GetThisThreadState() == main;
+    t_script_checked_for = main;
+  }
+  return t_on_script_thread;
+}
 
 int64_t now_ns() {
   struct timespec ts;
@@ -186,10 +263,38 @@ void mark_sid_locked(T& t, int64_t sid, int32_t category) {
 
 // ---- ops --------------------------------------------------------------------
 
-OpInfo op_info(const at::RecordFunction& fn) {
-  T& t = tt();
+// Bumped whenever op_cache is cleared: thread-local copies of it are stale then.
+std::atomic<uint64_t> g_op_generation{1};
+
+OpInfo op_info_locked(T& t, const at::RecordFunction& fn, const char* name);
+
+// What an op is, by its name's address (interned once per op, then no lock and no string
+// per call): a small direct-mapped cache per thread in front of the shared op table.
+struct CachedOp {
+  const char* name = nullptr;
+  uint64_t generation = 0;
+  OpInfo info{};
+};
+constexpr size_t OP_CACHE_SLOTS = 256;
+thread_local CachedOp t_op_cache[OP_CACHE_SLOTS];
+
+inline OpInfo op_info(const at::RecordFunction& fn) {
   const char* name = fn.name();
-  std::lock_guard<std::mutex> g(t.op_mu);
+  uint64_t generation = g_op_generation.load(std::memory_order_acquire);
+  CachedOp& slot = t_op_cache[(reinterpret_cast<uintptr_t>(name) >> 4) % OP_CACHE_SLOTS];
+  if (slot.name == name && slot.generation == generation) return slot.info;
+  T& t = tt();
+  OpInfo info;
+  {
+    std::lock_guard<std::mutex> g(t.op_mu);
+    generation = g_op_generation.load(std::memory_order_relaxed);
+    info = op_info_locked(t, fn, name);
+  }
+  slot = CachedOp{name, generation, info};
+  return info;
+}
+
+OpInfo op_info_locked(T& t, const at::RecordFunction& fn, const char* name) {
   auto it = t.op_cache.find(name);
   if (it != t.op_cache.end()) {
     return it->second;
@@ -318,6 +423,18 @@ bool is_user_code(T& t, PyCodeObject* code) {
   return user;
 }
 
+// The id of (code, line), in order of first appearance.
+int32_t source_id_locked_gil(T& t, PyCodeObject* code, int line) {
+  auto key = std::make_pair(reinterpret_cast<PyObject*>(code), line);
+  auto it = t.source_ids.find(key);
+  if (it != t.source_ids.end()) return it->second;
+  auto id = static_cast<int32_t>(t.sources.size());
+  Py_INCREF(code);
+  t.sources.push_back(key);
+  t.source_ids.emplace(key, id);
+  return id;
+}
+
 int32_t read_source_locked_gil(T& t) {
   PyFrameObject* f = PyEval_GetFrame();  // borrowed
   Py_XINCREF(f);
@@ -325,17 +442,18 @@ int32_t read_source_locked_gil(T& t) {
   while (f != nullptr) {
     PyCodeObject* code = PyFrame_GetCode(f);  // new reference
     if (is_user_code(t, code)) {
-      int line = PyFrame_GetLineNumber(f);
-      auto key = std::make_pair(reinterpret_cast<PyObject*>(code), line);
-      auto it = t.source_ids.find(key);
-      if (it != t.source_ids.end()) {
-        id = it->second;
+#if PY_VERSION_HEX >= 0x030B0000
+      auto site = std::make_pair(reinterpret_cast<PyObject*>(code), PyFrame_GetLasti(f));
+      auto known = t.site_ids.find(site);
+      if (known != t.site_ids.end()) {
+        id = known->second;
       } else {
-        id = static_cast<int32_t>(t.sources.size());
-        Py_INCREF(code);
-        t.sources.push_back(key);
-        t.source_ids.emplace(key, id);
+        id = source_id_locked_gil(t, code, PyFrame_GetLineNumber(f));
+        t.site_ids.emplace(site, id);  // the code object is pinned by is_user_code
       }
+#else
+      id = source_id_locked_gil(t, code, PyFrame_GetLineNumber(f));
+#endif
       Py_DECREF(code);
       Py_DECREF(f);
       break;
@@ -348,15 +466,133 @@ int32_t read_source_locked_gil(T& t) {
   return id;
 }
 
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+// CPython 3.11's _PyInterpreterFrame (Include/internal/pycore_frame.h), read-only
+struct Frame311 {
+  PyObject* f_func;
+  PyObject* f_globals;
+  PyObject* f_builtins;
+  PyObject* f_locals;
+  PyCodeObject* f_code;
+  PyObject* frame_obj;
+  Frame311* previous;
+  _Py_CODEUNIT* prev_instr;
+  int stacktop;
+  bool is_entry;
+  char owner;
+};
+constexpr char FRAME_OWNED_BY_GENERATOR = 1;
+
+inline _Py_CODEUNIT* code_units(PyCodeObject* code) {
+  return reinterpret_cast<_Py_CODEUNIT*>(code->co_code_adaptive);
+}
+
+// _PyFrame_IsIncomplete: a frame still setting up, which PyFrame_GetBack skips
+inline bool incomplete(const Frame311* f) {
+  return f->owner != FRAME_OWNED_BY_GENERATOR &&
+         f->prev_instr < code_units(f->f_code) + f->f_code->_co_firsttraceable;
+}
+#define MA_FRAMES_WITHOUT_GIL 1
+#endif
+
+constexpr int32_t SOURCE_UNKNOWN = -3;
+
+// Bumped by ma_t_reset: source ids start again from 0.
+std::atomic<uint64_t> g_source_generation{1};
+
+// The script thread's own copy of what read_source_locked_gil found: code objects'
+// verdicts (never change: the code objects are pinned) and call sites' source ids (valid
+// for one generation).  Only that thread reads and writes it, so it needs no lock.
+struct ScriptSources {
+  uint64_t generation = 0;
+  std::unordered_map<PyObject*, bool> user_code;
+  std::unordered_map<std::pair<PyObject*, int>, int32_t, PairHash> site_ids;
+};
+thread_local ScriptSources t_sources;
+
+#ifdef MA_FRAMES_WITHOUT_GIL
+// PyFrame_GetLasti
+inline int lasti_bytes(const Frame311* f) {
+  auto lasti = static_cast<int>(f->prev_instr - code_units(f->f_code));
+  return lasti < 0 ? -1 : lasti * static_cast<int>(sizeof(_Py_CODEUNIT));
+}
+#endif
+
+// read_source_locked_gil's answer without the GIL where every frame it would walk is in
+// t_sources, else SOURCE_UNKNOWN.  Called on the script's thread inside an op: that
+// thread's frames cannot change or go away meanwhile (the thread is running this code),
+// so reading them needs no GIL.  An op is called with the GIL released; taking it back
+// once per op that allocates was the largest single cost of following an op.
+int32_t read_source_without_gil(T& t) {
+#ifdef MA_FRAMES_WITHOUT_GIL
+  uint64_t generation = g_source_generation.load(std::memory_order_relaxed);
+  if (t_sources.generation != generation) {
+    t_sources.site_ids.clear();
+    t_sources.generation = generation;
+  }
+  auto* f = reinterpret_cast<Frame311*>(t.main_ts->cframe->current_frame);
+  for (bool first = true; f != nullptr; f = f->previous) {
+    if (!first && incomplete(f)) continue;  // as PyFrame_GetBack
+    first = false;
+    auto user = t_sources.user_code.find(reinterpret_cast<PyObject*>(f->f_code));
+    if (user == t_sources.user_code.end()) return SOURCE_UNKNOWN;
+    if (!user->second) continue;
+    auto site = t_sources.site_ids.find(
+        std::make_pair(reinterpret_cast<PyObject*>(f->f_code), lasti_bytes(f)));
+    return site == t_sources.site_ids.end() ? SOURCE_UNKNOWN : site->second;
+  }
+  return -1;
+#else
+  (void)t;
+  return SOURCE_UNKNOWN;
+#endif
+}
+
+// After read_source_locked_gil (GIL held, script's thread): copies what it walked into
+// t_sources, so that the same stack is read without the GIL next time.
+void remember_sources_gil(T& t, int32_t id) {
+#ifdef MA_FRAMES_WITHOUT_GIL
+  auto* f = reinterpret_cast<Frame311*>(t.main_ts->cframe->current_frame);
+  for (bool first = true; f != nullptr; f = f->previous) {
+    if (!first && incomplete(f)) continue;
+    first = false;
+    auto key = reinterpret_cast<PyObject*>(f->f_code);
+    auto user = t.user_code.find(key);
+    if (user == t.user_code.end()) return;
+    t_sources.user_code.emplace(key, user->second);
+    if (user->second) {
+      t_sources.site_ids.emplace(std::make_pair(key, lasti_bytes(f)), id);
+      return;
+    }
+  }
+#else
+  (void)t;
+  (void)id;
+#endif
+}
+
 // The user's source line, on the script's thread only (-1 elsewhere).
 int32_t read_source() {
   T& t = tt();
-  if (t.main_ts == nullptr || !Py_IsInitialized() ||
-      PyGILState_GetThisThreadState() != t.main_ts) {
-    return -1;
+  if (!on_script_thread(t) || !Py_IsInitialized()) return -1;
+  int32_t known = read_source_without_gil(t);
+  if (known != SOURCE_UNKNOWN) {
+#ifndef MA_CHECK_SOURCE_WITHOUT_GIL
+    return known;
+#else
+    PyGILState_STATE check = PyGILState_Ensure();
+    int32_t expected = read_source_locked_gil(t);
+    PyGILState_Release(check);
+    if (expected != known) {
+      std::fprintf(stderr, "op_tracker: source %d without the GIL, %d with\n", known, expected);
+      std::abort();
+    }
+    return known;
+#endif
   }
   PyGILState_STATE g = PyGILState_Ensure();
   int32_t id = read_source_locked_gil(t);
+  remember_sources_gil(t, id);
   PyGILState_Release(g);
   return id;
 }
@@ -370,7 +606,7 @@ void on_alloc(void* p, int64_t size) {
   if (!t.on.load(std::memory_order_relaxed)) return;
   int32_t op = -1;
   int32_t source = -1;
-  bool script_thread = t.main_ts != nullptr && PyGILState_GetThisThreadState() == t.main_ts;
+  bool script_thread = on_script_thread(t);
   int32_t forced = t.op_override.load(std::memory_order_relaxed);
   if (forced >= 0) {
     op = forced;
@@ -394,8 +630,8 @@ void on_alloc(void* p, int64_t size) {
     source = t.main_source.load(std::memory_order_relaxed);
   }
   auto key = reinterpret_cast<uint64_t>(p);
-  std::lock_guard<std::mutex> g(t.mu);
-  if (t.live.count(key)) {
+  BooksGuard g(t.mu);
+  if (t.live.find(key) != nullptr) {
     free_locked(t, key);  // an external storage at this address died unseen: close it
   }
   int64_t sid = t.next_sid++;
@@ -403,27 +639,27 @@ void on_alloc(void* p, int64_t size) {
   int64_t index = static_cast<int64_t>(t.events.size());
   t.events.push_back(Ev{index, now_ns() - t.t0_ns, sid, size, 1, op,
                         t.module.load(std::memory_order_relaxed), phase, source, -1, -1});
-  t.live.emplace(key, Live{sid, index, phase, false});
+  t.live.put(key, Live{sid, index, phase, false});
   t.live_bytes += size;
   if (t.live_bytes > t.peak_bytes) t.peak_bytes = t.live_bytes;
   if (op == OP_UNCLAIMED) t.unattributed.push_back(index);
 }
 
 void free_locked(T& t, uint64_t key) {
-  auto it = t.live.find(key);
-  if (it == t.live.end()) return;
-  const Ev a = t.events[it->second.ev];  // a copy: push_back below may reallocate
+  Live* it = t.live.find(key);
+  if (it == nullptr) return;
+  const Ev a = t.events[it->ev];
   int64_t index = static_cast<int64_t>(t.events.size());
   t.events.push_back(Ev{index, now_ns() - t.t0_ns, a.sid, a.size, -1, a.op, a.module,
                         t.phase.load(std::memory_order_relaxed), a.source, a.dtype, a.shape});
   t.live_bytes -= a.size;
-  t.live.erase(it);
+  t.live.erase(key);
 }
 
 void on_free(void* p) {
   T& t = tt();
   if (!t.on.load(std::memory_order_relaxed)) return;
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   free_locked(t, reinterpret_cast<uint64_t>(p));
 }
 
@@ -437,7 +673,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
     return nullptr;
   }
   OpInfo info = op_info(fn);
-  bool script_thread = t.main_ts != nullptr && PyGILState_GetThisThreadState() == t.main_ts;
+  bool script_thread = on_script_thread(t);
   // ops other threads run (OpenMP workers inside a kernel, gloo) are part of the op the
   // script's thread runs: never charged, so their blocks stay that op's raw bytes
   bool charged = script_thread && t_charged < 0 && !info.composite;
@@ -455,9 +691,15 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   }
   bool leaf_rule = !t.have_roots.load(std::memory_order_relaxed) &&
                    (phase == OTHER || phase == FORWARD) && c10::GradMode::is_enabled();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   int32_t module = t.module.load(std::memory_order_relaxed);
-  t.calls[std::make_tuple(module, phase, info.id)] += 1;
+  if (static_cast<size_t>(info.id) >= t.call_slots.size()) t.call_slots.resize(info.id + 1);
+  CallSlot& slot = t.call_slots[info.id];
+  if (slot.calls == nullptr || slot.module != module || slot.phase != phase) {
+    // std::map: the counter's address stays valid until calls is cleared
+    slot = CallSlot{module, phase, &t.calls[std::make_tuple(module, phase, info.id)]};
+  }
+  *slot.calls += 1;
   if (fn.seqNr() >= 0) {
     if (t.seq_module.size() > (1u << 22)) t.seq_module.clear();  // bounded
     t.seq_module[fn.seqNr()] = module;
@@ -468,9 +710,9 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
     // shape; the others stay unclaimed (OP_UNCLAIMED)
     each_tensor(inputs, [&](const at::Tensor& x) {
       auto it = t.live.find(storage_ptr(x));
-      if (it == t.live.end()) return;
-      Ev& a = t.events[it->second.ev];
-      if (a.op == OP_UNCLAIMED && !it->second.external) {
+      if (it == nullptr) return;
+      Ev& a = t.events[it->ev];
+      if (a.op == OP_UNCLAIMED && !it->external) {
         a.op = info.id;  // its free, if already copied, is fixed in Python
         a.dtype = static_cast<int32_t>(x.scalar_type());
         a.shape = static_cast<int64_t>(t.shapes.size());
@@ -482,24 +724,26 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   }
   if (info.to_copy && !inputs.empty() && inputs[0].isTensor()) {
     auto it = t.live.find(storage_ptr(inputs[0].toTensor()));
-    if (it != t.live.end()) {
-      auto m = t.marks.find(it->second.sid);
+    if (it != nullptr) {
+      auto m = t.marks.find(it->sid);
       frame.param_cast = m != t.marks.end() && m->second == PARAMETER;
     }
   }
   if (phase == FORWARD || leaf_rule) {
     bool began = false;
     each_tensor(inputs, [&](const at::Tensor& x) {
-      auto it = t.live.find(storage_ptr(x));
       if (leaf_rule && x.requires_grad() && x.is_leaf()) {
         // a trainable tensor of a script without modules: a parameter
-        if (it != t.live.end()) mark_sid_locked(t, it->second.sid, PARAMETER);
+        auto it = t.live.find(storage_ptr(x));
+        if (it != nullptr) mark_sid_locked(t, it->sid, PARAMETER);
         began = true;
         return;
       }
-      if (phase == FORWARD && it != t.live.end() && it->second.phase == OTHER &&
-          t.marks.find(it->second.sid) == t.marks.end()) {
-        t.marks.emplace(it->second.sid, INPUT);  // made between steps, read by the forward
+      if (phase != FORWARD) return;  // the leaf rule alone: nothing to look up
+      auto it = t.live.find(storage_ptr(x));
+      if (it != nullptr && it->phase == OTHER &&
+          t.marks.find(it->sid) == t.marks.end()) {
+        t.marks.emplace(it->sid, INPUT);  // made between steps, read by the forward
       }
     });
     if (began && phase == OTHER) {
@@ -525,18 +769,18 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
     flop_args = std::move(frame.flop_args);
     for (const auto& v : outputs) encode(v, flop_args);
   }
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   each_tensor(outputs, [&](const at::Tensor& x) {
     auto it = t.live.find(storage_ptr(x));
-    if (it == t.live.end()) return;
-    Ev& a = t.events[it->second.ev];
-    if (a.dtype == -1 && !it->second.external) {
+    if (it == nullptr) return;
+    Ev& a = t.events[it->ev];
+    if (a.dtype == -1 && !it->external) {
       a.dtype = static_cast<int32_t>(x.scalar_type());
       a.shape = static_cast<int64_t>(t.shapes.size());
       t.shapes.push_back(x.dim());
       for (int64_t d : x.sizes()) t.shapes.push_back(d);
     }
-    if (frame.param_cast) mark_sid_locked(t, it->second.sid, AUTOCAST_WEIGHT);
+    if (frame.param_cast) mark_sid_locked(t, it->sid, AUTOCAST_WEIGHT);
   });
   if (!flop_args.empty()) {
     int32_t args_id;
@@ -562,7 +806,7 @@ std::unique_ptr<at::ObserverContext> on_backward_node(const at::RecordFunction& 
     if (t.link_backward.load(std::memory_order_relaxed)) {
       int32_t module = 0;
       {
-        std::lock_guard<std::mutex> g(t.mu);
+        BooksGuard g(t.mu);
         auto it = t.seq_module.find(fn.seqNr());
         if (it != t.seq_module.end()) module = it->second;
       }
@@ -644,6 +888,7 @@ MA_API void ma_t_set_flop_op(const char* name) {
   std::lock_guard<std::mutex> g(t.op_mu);
   t.flop_ops.insert(name);
   t.op_cache.clear();
+  tracker::g_op_generation.fetch_add(1, std::memory_order_acq_rel);
 }
 
 MA_API void ma_t_set_module(int32_t module) {
@@ -681,69 +926,69 @@ MA_API void ma_t_set_op_override(const char* name) {
 
 MA_API int64_t ma_t_next_seq(void) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return static_cast<int64_t>(t.events.size());
 }
 MA_API int64_t ma_t_live_bytes(void) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return t.live_bytes;
 }
 MA_API int64_t ma_t_peak_bytes(void) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return t.peak_bytes;
 }
 
 // The storage id live at this address (-1: none).
 MA_API int64_t ma_t_lookup(uint64_t ptr) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   auto it = t.live.find(ptr);
-  return it == t.live.end() ? -1 : it->second.sid;
+  return it == nullptr ? -1 : it->sid;
 }
 // Bytes of the block live at this address (-1: none).
 MA_API int64_t ma_t_size_of(uint64_t ptr) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   auto it = t.live.find(ptr);
-  return it == t.live.end() ? -1 : t.events[it->second.ev].size;
+  return it == nullptr ? -1 : t.events[it->ev].size;
 }
 // Phase in which the storage at this address was allocated (-1: none).
 MA_API int32_t ma_t_alloc_phase(uint64_t ptr) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   auto it = t.live.find(ptr);
-  return it == t.live.end() ? -1 : it->second.phase;
+  return it == nullptr ? -1 : it->phase;
 }
 // Marks the storage live at ptr; returns 0 when nothing is live there.
 MA_API int32_t ma_t_mark(uint64_t ptr, int32_t category) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   auto it = t.live.find(ptr);
-  if (it == t.live.end()) return 0;
-  tracker::mark_sid_locked(t, it->second.sid, category);
+  if (it == nullptr) return 0;
+  tracker::mark_sid_locked(t, it->sid, category);
   return 1;
 }
 MA_API void ma_t_mark_sid(int64_t sid, int32_t category) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   tracker::mark_sid_locked(t, sid, category);
 }
 // The category marked on storage `sid` (-1: unmarked).
 MA_API int32_t ma_t_sid_category(int64_t sid) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   auto m = t.marks.find(sid);
   return m == t.marks.end() ? -1 : m->second;
 }
 // The category marked on the storage at this address (-1: none or unmarked).
 MA_API int32_t ma_t_category(uint64_t ptr) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   auto it = t.live.find(ptr);
-  if (it == t.live.end()) return -1;
-  auto m = t.marks.find(it->second.sid);
+  if (it == nullptr) return -1;
+  auto m = t.marks.find(it->sid);
   return m == t.marks.end() ? -1 : m->second;
 }
 // Marks many storages at once (owner -1: none); unknown[i] = 1 where nothing is live
@@ -751,26 +996,26 @@ MA_API int32_t ma_t_category(uint64_t ptr) {
 MA_API int64_t ma_t_mark_many(const uint64_t* ptrs, const int32_t* categories,
                               const int32_t* owners, int64_t n, uint8_t* unknown) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   int64_t missing = 0;
   for (int64_t i = 0; i < n; ++i) {
-    auto it = ptrs[i] ? t.live.find(ptrs[i]) : t.live.end();
-    if (it == t.live.end()) {
+    auto it = t.live.find(ptrs[i]);  // nothing at 0
+    if (it == nullptr) {
       unknown[i] = 1;
       ++missing;
       continue;
     }
     unknown[i] = 0;
-    tracker::mark_sid_locked(t, it->second.sid, categories[i]);
-    if (owners[i] >= 0) t.owners.emplace(it->second.sid, owners[i]);
+    tracker::mark_sid_locked(t, it->sid, categories[i]);
+    if (owners[i] >= 0) t.owners.emplace(it->sid, owners[i]);
   }
   return missing;
 }
 MA_API void ma_t_set_owner(uint64_t ptr, int32_t module) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   auto it = t.live.find(ptr);
-  if (it != t.live.end()) t.owners.emplace(it->second.sid, module);
+  if (it != nullptr) t.owners.emplace(it->sid, module);
 }
 
 // A storage the allocator hook never saw (numpy memory, shared memory from a
@@ -785,8 +1030,8 @@ MA_API int64_t ma_t_external_alloc(uint64_t ptr, int64_t size, int32_t dtype_cod
     op_id = tracker::intern_op_locked(t, op);
   }
   int32_t source = tracker::read_source_locked_gil(t);
-  std::lock_guard<std::mutex> g(t.mu);
-  if (t.live.count(ptr)) return t.live[ptr].sid;
+  BooksGuard g(t.mu);
+  if (tracker::Live* known = t.live.find(ptr)) return known->sid;
   int64_t sid = t.next_sid++;
   int64_t index = static_cast<int64_t>(t.events.size());
   int64_t shape_at = -1;
@@ -799,7 +1044,7 @@ MA_API int64_t ma_t_external_alloc(uint64_t ptr, int64_t size, int32_t dtype_cod
   t.events.push_back(tracker::Ev{index, tracker::now_ns() - t.t0_ns, sid, size, 1, op_id,
                         t.module.load(std::memory_order_relaxed), phase, source, dtype_code,
                         shape_at});
-  t.live.emplace(ptr, tracker::Live{sid, index, phase, true});
+  t.live.put(ptr, tracker::Live{sid, index, phase, true});
   t.live_bytes += size;
   if (t.live_bytes > t.peak_bytes) t.peak_bytes = t.live_bytes;
   return sid;
@@ -808,9 +1053,9 @@ MA_API int64_t ma_t_external_alloc(uint64_t ptr, int64_t size, int32_t dtype_cod
 MA_API void ma_t_external_free(uint64_t ptr, int64_t sid) {
   auto& t = tt();
   if (!t.on.load()) return;
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   auto it = t.live.find(ptr);
-  if (it != t.live.end() && it->second.sid == sid && it->second.external) {
+  if (it != nullptr && it->sid == sid && it->external) {
     tracker::free_locked(t, ptr);
   }
 }
@@ -818,23 +1063,23 @@ MA_API void ma_t_external_free(uint64_t ptr, int64_t sid) {
 // ---- reading the results (after ma_t_stop) ------------------------------------
 MA_API int64_t ma_t_event_count(void) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return static_cast<int64_t>(t.events.size());
 }
 MA_API void ma_t_copy_events(void* out, int64_t n) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   n = std::min<int64_t>(n, static_cast<int64_t>(t.events.size()));
-  std::memcpy(out, t.events.data(), static_cast<size_t>(n) * sizeof(tracker::Ev));
+  if (n > 0) t.events.copy_to(static_cast<tracker::Ev*>(out), static_cast<size_t>(n));
 }
 MA_API int64_t ma_t_shape_count(void) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return static_cast<int64_t>(t.shapes.size());
 }
 MA_API void ma_t_copy_shapes(int64_t* out, int64_t n) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   n = std::min<int64_t>(n, static_cast<int64_t>(t.shapes.size()));
   std::memcpy(out, t.shapes.data(), static_cast<size_t>(n) * sizeof(int64_t));
 }
@@ -844,13 +1089,13 @@ using SidMap = std::unordered_map<int64_t, int32_t>;
 
 int64_t pair_count(SidMap T::*map) {
   T& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return static_cast<int64_t>((t.*map).size());
 }
 
 int64_t copy_pairs(SidMap T::*map, int64_t* sids, int32_t* values, int64_t cap) {
   T& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   int64_t i = 0;
   for (const auto& kv : t.*map) {
     if (i >= cap) break;
@@ -915,12 +1160,12 @@ MA_API int ma_t_sources_into(PyObject* list) {
 // (module, phase, op, calls) rows
 MA_API int64_t ma_t_call_count(void) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return static_cast<int64_t>(t.calls.size());
 }
 MA_API int64_t ma_t_copy_calls(int32_t* keys, int64_t* calls, int64_t cap) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   int64_t i = 0;
   for (const auto& kv : t.calls) {
     if (i >= cap) break;
@@ -934,12 +1179,12 @@ MA_API int64_t ma_t_copy_calls(int32_t* keys, int64_t* calls, int64_t cap) {
 // (module, phase, op, args id) of each call of a FLOP-counted op
 MA_API int64_t ma_t_flop_call_count(void) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return static_cast<int64_t>(t.flop_calls.size());
 }
 MA_API void ma_t_copy_flop_calls(int32_t* out, int64_t n) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   n = std::min<int64_t>(n, static_cast<int64_t>(t.flop_calls.size()));
   for (int64_t i = 0; i < n; ++i) {
     for (int j = 0; j < 4; ++j) out[4 * i + j] = t.flop_calls[i][j];
@@ -947,13 +1192,13 @@ MA_API void ma_t_copy_flop_calls(int32_t* out, int64_t n) {
 }
 MA_API int64_t ma_t_flop_args_count(void) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   return static_cast<int64_t>(t.flop_args.size());
 }
 // Copies args record i (up to cap values); returns its full length.
 MA_API int64_t ma_t_flop_args(int64_t i, int64_t* out, int64_t cap) {
   auto& t = tt();
-  std::lock_guard<std::mutex> g(t.mu);
+  BooksGuard g(t.mu);
   if (i < 0 || i >= static_cast<int64_t>(t.flop_args.size())) return -1;
   const auto& rec = t.flop_args[i];
   int64_t n = std::min<int64_t>(cap, static_cast<int64_t>(rec.size()));
@@ -965,7 +1210,7 @@ MA_API int64_t ma_t_flop_args(int64_t i, int64_t* out, int64_t cap) {
 MA_API void ma_t_reset(void) {
   auto& t = tt();
   {
-    std::lock_guard<std::mutex> g(t.mu);
+    BooksGuard g(t.mu);
     t.events.clear();
     t.unattributed.clear();
     t.shapes.clear();
@@ -976,6 +1221,7 @@ MA_API void ma_t_reset(void) {
     t.live_bytes = 0;
     t.peak_bytes = 0;
     t.calls.clear();
+    t.call_slots.clear();
     t.flop_calls.clear();
     t.flop_args.clear();
     t.flop_arg_ids.clear();
@@ -990,4 +1236,6 @@ MA_API void ma_t_reset(void) {
   // and the pinned code objects stay valid
   t.sources.clear();
   t.source_ids.clear();
+  t.site_ids.clear();
+  tracker::g_source_generation.fetch_add(1, std::memory_order_relaxed);
 }
