@@ -8,17 +8,27 @@ CUDA shim (``fake/shim.py``).
 Nothing here imports torch unless it already is: the fake CUDA shim must be built and
 loaded *before* ``import torch`` (torch resolves its CUDA hooks once, while importing).
 
+The cache is shared by every virtual environment of the user: a library's name carries a
+hash of what it was built from -- its sources, torch's version, C++ ABI and headers (their
+bytes, not their path), the Python ABI and the compiler -- so a second environment with the
+same torch loads the first one's build instead of compiling again (about 5 s).  A library
+is loaded only from a file and folder owned by this user (or root) that nobody else may
+write to (:func:`ensure_trusted`): loading one is running its code.
+
 Environment:
-    MEMADVISOR_CACHE  cache root (default ``~/.cache/memadvisor``); libraries go in ``native/``
+    MEMADVISOR_CACHE  cache root (default ``$XDG_CACHE_HOME/memadvisor``, else
+                      ``~/.cache/memadvisor``); libraries go in ``native/``
     MEMADVISOR_CXX    C++ compiler (default ``$CXX``, then ``g++``, then ``c++``)
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -49,12 +59,17 @@ class TorchBuild:
 
 
 def cache_dir(cache: str | os.PathLike | None = None) -> Path:
-    """``<cache>/native``; ``cache`` overrides ``$MEMADVISOR_CACHE``."""
+    """``<cache>/native``; ``cache`` overrides ``$MEMADVISOR_CACHE``, which overrides
+    ``$XDG_CACHE_HOME/memadvisor`` (an absolute ``XDG_CACHE_HOME`` only, as the XDG base
+    directory specification says), else ``~/.cache/memadvisor``."""
     if cache is not None:
         return Path(cache).expanduser() / "native"
     root = os.environ.get("MEMADVISOR_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "memadvisor"
-    return base / "native"
+    if root:
+        return Path(root).expanduser() / "native"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "memadvisor" / "native"
 
 
 def find_compiler(compiler: str | None = None,
@@ -114,10 +129,13 @@ def torch_build(error: type[NativeUnavailable] = NativeUnavailable) -> TorchBuil
 
 
 #: headers whose bytes stand for torch's C++ interface in the cache key: the build's
-#: configuration and the interfaces the native pieces use
+#: configuration and the interfaces the native pieces use (the reference counting and
+#: tensor layout the op tracker compiles inline among them)
 FINGERPRINT_HEADERS = ("torch/csrc/api/include/torch/version.h", "c10/macros/cmake_macros.h",
                        "c10/core/Allocator.h", "ATen/record_function.h",
-                       "c10/core/impl/DeviceGuardImplInterface.h")
+                       "c10/core/impl/DeviceGuardImplInterface.h", "c10/core/TensorImpl.h",
+                       "c10/util/intrusive_ptr.h", "ATen/core/ivalue.h",
+                       "ATen/core/dispatch/Dispatcher.h")
 
 
 def headers_fingerprint(include: Path) -> bytes:
@@ -132,14 +150,68 @@ def headers_fingerprint(include: Path) -> bytes:
     return digest.digest()
 
 
-def cache_key(sources: bytes, build: TorchBuild) -> str:
+def compiler_identity(compiler: str | None = None) -> str:
+    """What the compiler says it is (``--version``'s first line), or ``"none"``: part of the
+    cache key, so that a library built by another compiler (another ABI, other codegen) is
+    not taken for this one's.  The compiler's path is not: two environments find the same
+    compiler in different places."""
+    try:
+        return _identity_of(find_compiler(compiler))
+    except NativeUnavailable:
+        return "none"
+
+
+@functools.lru_cache(maxsize=8)
+def _identity_of(cxx: str) -> str:
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+    lines = (proc.stdout or proc.stderr).strip().splitlines()
+    return f"{Path(cxx).name}: {lines[0] if lines else proc.returncode}"
+
+
+def cache_key(sources: bytes, build: TorchBuild, compiler: str | None = None) -> str:
     """A hash of what a compiled library depends on: its source(s), torch's version, C++
-    ABI and headers (by content, not by path), and the Python ABI."""
+    ABI and headers (by content, not by path), the Python ABI, and the compiler
+    (``compiler`` or the one :func:`find_compiler` picks; by what it says it is, not by
+    path).  Equal for two virtual environments of the same torch and Python."""
     return hashlib.sha256(b"\0".join([
         sources, build.version.encode(), str(build.cxx11_abi).encode(),
         (sys.implementation.cache_tag or "").encode(),
         (sysconfig.get_config_var("SOABI") or "").encode(), headers_fingerprint(build.include),
+        compiler_identity(compiler).encode(),
     ])).hexdigest()[:16]
+
+
+def untrusted_reason(path: Path) -> str | None:
+    """Why the library at ``path`` must not be loaded (``None``: it may): the file and the
+    folder holding it must be owned by this user or root and writable by nobody else,
+    since whoever can write them chooses the code this process runs.  Links are followed
+    (to the file they name and its folder)."""
+    path = Path(os.path.realpath(path))
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for what, where in (("library", path), ("folder", path.parent)):
+        try:
+            info = os.stat(where)
+        except OSError as exc:
+            return f"cannot check the {what} {where}: {exc.strerror or exc}"
+        if uid is not None and info.st_uid not in (uid, 0):
+            return f"the {what} {where} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return (f"the {what} {where} is writable by others "
+                    f"(mode {stat.S_IMODE(info.st_mode):o})")
+    return None
+
+
+def ensure_trusted(path: Path, error: type[NativeUnavailable] = NativeUnavailable) -> None:
+    """Raise ``error`` unless :func:`untrusted_reason` finds nothing wrong with ``path``
+    (a path that does not exist is left to the loader to report)."""
+    if not os.path.lexists(path):
+        return
+    reason = untrusted_reason(Path(path))
+    if reason is not None:
+        raise error(f"refusing to load {Path(path).name}: {reason}")
 
 
 def preload_torch_libraries(build: TorchBuild, names=("libc10.so", "libtorch_cpu.so")) -> None:
@@ -176,7 +248,7 @@ def compile_library(src: Path, out: Path, command: "callable",
     exception's ``log`` and to ``out`` with suffix ``.log``."""
     out_dir = out.parent
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{src.stem}-", suffix=".so.tmp", dir=out_dir)
         os.close(fd)
     except OSError as exc:
@@ -208,9 +280,14 @@ def open_or_rebuild(build: "callable", open_library: "callable",
                     error: type[NativeUnavailable] = NativeUnavailable):
     """``open_library(build(force=False))``; a cached library that will not open (a
     truncated or damaged file, one from a build the cache key did not tell apart) is
-    built again once instead of leaving the fallback in place for good."""
+    built again once instead of leaving the fallback in place for good.  A library anyone
+    but this user (or root) could have written is never opened (:func:`ensure_trusted`):
+    that raises ``error``, whether the library was found there or just built there."""
     path = build(force=False)
+    ensure_trusted(path, error)
     try:
         return open_library(path)
     except error:
-        return open_library(build(force=True))
+        path = build(force=True)
+        ensure_trusted(path, error)
+        return open_library(path)

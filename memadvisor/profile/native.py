@@ -9,14 +9,18 @@ records ``(kind, ptr, size)`` events, ``kind`` being +1 for an allocation and -1
 free, into a buffer this module drains.
 
 The library is compiled on first use with the system C++ compiler against torch's own
-headers and ``libc10.so`` (about a second), and cached under ``$MEMADVISOR_CACHE`` or
-``~/.cache/memadvisor/`` keyed by the source, torch version, C++ ABI and Python ABI.
+headers and ``libc10.so`` (about a second), and cached under ``$MEMADVISOR_CACHE``,
+``$XDG_CACHE_HOME/memadvisor/`` or ``~/.cache/memadvisor/``, keyed by the sources, torch's
+version, C++ ABI and headers (their bytes: virtual environments of the same torch share
+one build), the Python ABI and the compiler; it is loaded only from a file and folder
+nobody but this user (or root) can write (``native_build.ensure_trusted``).
 Anything going wrong -- no compiler, no headers, a failed build, a library that will not
 load -- surfaces as :class:`NativeHookUnavailable` with a one-line reason; the profiler
 then falls back to the dispatch-level view and says so.
 
 Environment:
-    MEMADVISOR_CACHE       cache root (default ``~/.cache/memadvisor``)
+    MEMADVISOR_CACHE       cache root (default ``$XDG_CACHE_HOME/memadvisor``, else
+                           ``~/.cache/memadvisor``)
     MEMADVISOR_CXX         C++ compiler (default ``$CXX``, then ``g++``, then ``c++``)
     MEMADVISOR_NATIVE_SRC  directory holding ``allocator_hook.cpp`` (default: the
                            checkout's ``cuda_hooks/``)
@@ -105,10 +109,12 @@ _first_error_line = native_build.first_error_line
 
 
 def library_path(cache: str | os.PathLike | None = None,
-                 source_name: str = SOURCE_NAME) -> Path:
-    """Where the library for this source, torch and Python lives in the cache (built
-    or not).  The name carries a hash of the source, torch version, C++ ABI and Python
-    ABI, so changing any of them means a rebuild."""
+                 source_name: str = SOURCE_NAME, compiler: str | None = None) -> Path:
+    """Where the library for this source, torch, Python and compiler lives in the cache
+    (built or not).  The name carries a hash of the sources, torch's version, C++ ABI and
+    headers' bytes, the Python ABI and the compiler (``native_build.cache_key``): changing
+    any of them means a rebuild, and another virtual environment of the same torch finds
+    the same library."""
     src_dir = source_dir()
     try:
         # the op tracker compiles the allocator hook in: both sources count
@@ -116,7 +122,8 @@ def library_path(cache: str | os.PathLike | None = None,
                           for name in dict.fromkeys((SOURCE_NAME, source_name)))
     except OSError as exc:
         raise NativeHookUnavailable(f"cannot read {src_dir / source_name}: {exc}") from None
-    key = native_build.cache_key(source, native_build.torch_build(NativeHookUnavailable))
+    key = native_build.cache_key(source, native_build.torch_build(NativeHookUnavailable),
+                                 compiler)
     out_dir = native_build.cache_dir(cache)
     return out_dir / f"{Path(source_name).stem}-{key}.so"
 
@@ -130,7 +137,7 @@ def build(cache: str | os.PathLike | None = None, compiler: str | None = None,
     failure (the full compiler output is in the exception's ``log`` and in a ``.log``
     file next to where the library would be).
     """
-    out = library_path(cache, source_name)
+    out = library_path(cache, source_name, compiler)
     if out.is_file() and not force:
         return out
     src = source_dir() / source_name

@@ -100,3 +100,66 @@ def test_the_cache_key_follows_the_headers_bytes_not_the_environments_path(tmp_p
     changed.write_bytes(changed.read_bytes() + b"\n// another torch\n")
     assert native_build.cache_key(b"source", copies[1]) != key_a
     assert native_build.cache_key(b"other source", copies[0]) != key_a
+
+
+def test_the_cache_folder_follows_xdg_cache_home_unless_memadvisor_cache_is_set(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("MEMADVISOR_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native_build.cache_dir() == tmp_path / "xdg" / "memadvisor" / "native"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # ignored, as the spec says
+    assert native_build.cache_dir() == Path.home() / ".cache" / "memadvisor" / "native"
+    monkeypatch.setenv("MEMADVISOR_CACHE", str(tmp_path / "mine"))
+    assert native_build.cache_dir() == tmp_path / "mine" / "native"
+    assert native_build.cache_dir(tmp_path / "given") == tmp_path / "given" / "native"
+
+
+def _fake_compiler(path: Path, version: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\necho '{version}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_cache_key_follows_what_the_compiler_is_not_where_it_is(tmp_path):
+    build = native_build.torch_build()
+    same_a = _fake_compiler(tmp_path / "venv-a" / "bin" / "c++", "c++ (GCC) 12.2.0")
+    same_b = _fake_compiler(tmp_path / "venv-b" / "bin" / "c++", "c++ (GCC) 12.2.0")
+    other = _fake_compiler(tmp_path / "venv-c" / "bin" / "c++", "c++ (GCC) 13.1.0")
+    key_a, key_b, key_other = (native_build.cache_key(b"source", build, c)
+                               for c in (same_a, same_b, other))
+    assert key_a == key_b != key_other
+
+
+def test_a_library_anyone_else_could_write_is_never_loaded(tmp_path):
+    folder = tmp_path / "native"
+    folder.mkdir(mode=0o700)
+    library = folder / "op_tracker-0123456789abcdef.so"
+    library.write_bytes(b"\x7fELF")
+    library.chmod(0o755)
+    assert native_build.untrusted_reason(library) is None
+
+    opened = []
+
+    def attempt():
+        return native_build.open_or_rebuild(lambda force: library, opened.append)
+
+    library.chmod(0o777)
+    assert "library" in native_build.untrusted_reason(library)
+    with pytest.raises(native_build.NativeUnavailable, match="writable by others"):
+        attempt()
+    library.chmod(0o755)
+    folder.chmod(0o777)
+    assert "folder" in native_build.untrusted_reason(library)
+    with pytest.raises(native_build.NativeUnavailable, match="refusing to load"):
+        attempt()
+    folder.chmod(0o700)
+    if os.getuid() == 0:  # only root can give a file away
+        os.chown(library, 12345, 12345)
+        assert "another user" in native_build.untrusted_reason(library)
+        with pytest.raises(native_build.NativeUnavailable, match="another user"):
+            attempt()
+        os.chown(library, 0, 0)
+    assert opened == []
+    attempt()
+    assert opened == [library]
