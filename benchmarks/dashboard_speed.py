@@ -161,7 +161,7 @@ WATCH_MOMENTS = """() => {
             && response.timeline.figure.data) window.__timelineSends += 1;
         const table = response['moment-table'];
         if (table && table.rowData) window.__moment = table.rowData.map(
-          r => r.row_id);
+          (r, i) => r.row_id === undefined ? String(i) : r.row_id);
       }).catch(() => {});
     }
     return answer;

@@ -45,7 +45,8 @@ MOMENT_COLUMNS = [("bytes", "bytes"), ("category", "category"), ("op", "op"),
                   ("module", "module"), ("dtype", "dtype"), ("shape", "shape"),
                   ("source", "source file:line"), ("function", "function")]
 PLAN_COLUMNS = [("plan", "plan"), ("peak_bytes", "predicted peak"),
-                ("reserved_bytes", "reserved"), ("step_time_factor", "step time (x baseline)"), ("fits", "fits?"), ("changes", "what changes")]
+                ("reserved_bytes", "reserved"), ("step_time_factor", "step time (x baseline)"),
+                ("fits", "fits?"), ("changes", "what changes")]
 SITE_COLUMNS = [("bytes", "bytes"), ("count", "count"), ("category", "category"), ("op", "op"),
                 ("module", "module"), ("source", "source file:line"), ("code", "code")]
 
@@ -55,8 +56,8 @@ def _grid(grid_id: str, pairs, rows=None, *, page_size: int | None = None,
           height: str = "auto") -> dag.AgGrid:
     """A sortable grid (dash-ag-grid: Dash's own DataTable is deprecated).  ``select_by``:
     single-row selection by clicking, rows identified by that field; ``row_id``: rows
-    identified by that field only (a new rowData then redraws only the rows that changed);
-    (a string field); ``wrap``: long text wraps in taller rows (else one line each, the whole text on
+    identified by that (string) field only, so a new rowData redraws only the rows that
+    changed; ``wrap``: long text wraps in taller rows (else one line each, the whole text on
     hover: rows of one height draw at once)."""
     columns = []
     for field, name in pairs:
