@@ -60,6 +60,7 @@ def main() -> int:
     budget = f"{int(baseline * 0.8)}B"
     common = ("advise", str(trace), "--budget", budget, "--gpus", "2", "--gpu", "h100-80gb",
               "--json")
+    load_before = os.getloadavg()[0]
     started = time.monotonic()
     plain = _cli(*common, cwd=folder)
     plain_s = time.monotonic() - started
@@ -79,10 +80,11 @@ def main() -> int:
         if record:
             difference = (f"{record['difference']:+.1%}" if record["difference"] is not None
                           else record["failed"] or record["refused"])
-            print(f"  #{index} {plan['plan_compact']}: {record['seconds']:.1f} s, "
+            print(f"  #{index} {plan['plan_compact']}: {record['seconds']:.1f} s "
+                  f"(after {record.get('waited_seconds', 0):.1f} s waiting for a core), "
                   f"analytic vs executed {difference}")
-    print(f"cores: {os.cpu_count()}; load average {os.getloadavg()[0]:.1f} (other jobs on "
-          f"this machine slow both runs)")
+    print(f"cores: {os.cpu_count()}; load average {os.getloadavg()[0]:.1f} now, "
+          f"{load_before:.1f} before advise (other jobs on this machine slow both runs)")
     return 0
 
 

@@ -173,24 +173,42 @@ def check_plans(data: dict, result, script, meta, hw, verify_count: int) -> bool
 
 
 def _execute(indexes: list[int], result, script, meta, hw) -> list[dict]:
-    """Verify these ranked plans; fake executions run side by side (one process each, as
-    many as there are cores), real CPU runs one after another (they share the cores the
-    measured kernels would use)."""
+    """Verify these ranked plans; fake executions run side by side (each rank of each plan
+    a process, as many at once as there are cores, the costliest first), real CPU runs
+    one after another (they share the cores the measured kernels would use)."""
+    import contextlib
     from concurrent.futures import ThreadPoolExecutor
 
     from ..verify import compare, verify_plan
+    from ..verify.execute import ChildSlots, plan_cost, ranks_to_run
+    from .profile_fake import ChildServer
+    fake = hw.device_type == "cuda"
+    slots = ChildSlots(os.cpu_count() or 1)
+    runs = {}  # each plan's fake runs, queued costliest first before any plan is rewritten
+    for index in indexes:
+        plan = result.ranked[index].plan
+        runs[index] = [(plan.to_compact(), rank) for rank in ranks_to_run(plan.world)]
+        if fake:
+            for key in runs[index]:
+                slots.reserve(key, plan_cost(plan))
 
     def one(index):
         prediction = result.ranked[index]
-        verification = verify_plan(script, meta, prediction.plan, hw)
+        try:
+            verification = verify_plan(script, meta, prediction.plan, hw, slots=slots,
+                                       server=server)
+        finally:
+            slots.cancel(runs[index])
         click.echo(f"memadvisor: executed plan {index + 1}, {prediction.plan} "
                    f"({verification.seconds:.0f} s)", err=True)
         return compare(prediction, verification, result.usable_bytes)
 
     click.echo(f"memadvisor: executing plan{'s' if len(indexes) > 1 else ''} "
                f"{', '.join(str(i + 1) for i in indexes)} to verify them ...", err=True)
-    workers = min(len(indexes), os.cpu_count() or 1) if hw.device_type == "cuda" else 1
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    # fake executions wait for a slot (ChildSlots) once rewritten: every plan gets a thread
+    workers = len(indexes) if fake else 1
+    with (ChildServer() if fake else contextlib.nullcontext()) as server, \
+            ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return list(pool.map(one, indexes))
 
 

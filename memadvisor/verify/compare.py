@@ -48,6 +48,7 @@ def verification_dict(verification: Verification) -> dict:
                    "steps_completed": r.steps_completed} for r in verification.ranks],
         "warnings": list(verification.warnings),
         "seconds": round(verification.seconds, 2),
+        "waited_seconds": round(verification.waited_s, 2),
     }
 
 

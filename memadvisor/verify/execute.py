@@ -18,11 +18,16 @@ earlier step's segments still cached, as ``max_memory_reserved`` would say).
 """
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +66,9 @@ class Verification:
     failed: str | None = None  #: the executed run failed: its one line
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    """Wall time executing (the rewrite and the runs; not the wait for a free core)."""
+    waited_s: float = 0.0
+    """Wall time its runs waited for a core, running side by side with other plans."""
 
     @property
     def executed(self) -> bool:
@@ -73,10 +81,12 @@ class Verification:
 
 
 def verify_plan(script: RecordedScript, meta, plan: Plan, hw, *, ranks=None,
-                steps: int | None = None, method: str | None = None) -> Verification:
+                steps: int | None = None, method: str | None = None,
+                slots: ChildSlots | None = None, server=None) -> Verification:
     """Run ``plan`` on ``script`` (as ``memadvisor apply`` would) and measure its peaks.
     ``method``: 'fake' or 'real' (the CPU target only); default fake on a GPU, real on
-    the CPU."""
+    the CPU.  ``slots``, ``server`` (``profile_fake.ChildServer``: fake runs fork from it):
+    shared by plans verified side by side (default: this plan's own)."""
     started = time.monotonic()
     method = method or ("fake" if hw.device_type == "cuda" else "real")
     if method == "real" and hw.device_type != "cpu":
@@ -88,15 +98,75 @@ def verify_plan(script: RecordedScript, meta, plan: Plan, hw, *, ranks=None,
         return Verification(plan=plan, method=method, where="not run", refused=refused)
     with applied_copy(script, code) as copy:
         if method == "fake":
-            result = _fake(script, copy, plan, hw, steps, ranks)
+            with contextlib.ExitStack() as own:
+                if server is None and hw.device_type == "cuda":  # fake CPU runs: no shim
+                    from ..commands.profile_fake import ChildServer
+                    server = own.enter_context(ChildServer())
+                result = _fake(script, copy, plan, hw, steps, ranks,
+                               slots or ChildSlots(os.cpu_count() or 1), server)
         else:
             result = _real(script, copy, plan, steps)
         # messages name the user's script and its lines, not the hidden copy that ran
         plain = lambda text: text and in_user_terms(text, copy, script, code)  # noqa: E731
         result.failed = plain(result.failed)
         result.warnings = sorted({plain(w) for w in result.warnings})
-    result.seconds = time.monotonic() - started
+    result.seconds = time.monotonic() - started - result.waited_s
     return result
+
+
+class ChildSlots:
+    """At most ``count`` fake-execution children at once (each keeps a core busy); a
+    freed slot goes to the costliest waiting child, so that long runs (accumulation's
+    micro-batches) start first and short ones fill the gaps.  ``reserve`` queues a run
+    before its plan is rewritten, so that a cheap plan rewritten first cannot take the
+    first cores from a costly one."""
+
+    def __init__(self, count: int):
+        self._free = max(1, count)
+        self._waiting: list[tuple[float, int]] = []  # heap of (-cost, arrival)
+        self._arrivals = itertools.count()
+        self._reserved: dict[tuple, tuple[float, int]] = {}  # key -> its waiting entry
+        self._condition = threading.Condition()
+
+    def reserve(self, key: tuple, cost: float) -> None:
+        """Queue the run ``key`` (``slot(cost, key)`` takes this place) now."""
+        with self._condition:
+            entry = self._reserved[key] = (-cost, next(self._arrivals))
+            heapq.heappush(self._waiting, entry)
+
+    def cancel(self, keys) -> None:
+        """Give up the places of reserved runs that will not start (a refused plan)."""
+        with self._condition:
+            for key in keys:
+                entry = self._reserved.pop(key, None)
+                if entry is not None:
+                    self._waiting.remove(entry)
+            heapq.heapify(self._waiting)
+            self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def slot(self, cost: float, key: tuple | None = None):
+        with self._condition:
+            entry = self._reserved.pop(key, None) if key is not None else None
+            if entry is None:
+                entry = (-cost, next(self._arrivals))
+                heapq.heappush(self._waiting, entry)
+            while not self._free or self._waiting[0] != entry:
+                self._condition.wait()
+            heapq.heappop(self._waiting)
+            self._free -= 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._free += 1
+                self._condition.notify_all()
+
+
+def plan_cost(plan: Plan) -> float:
+    """A plan's fake execution time relative to the unmodified script's (per rank): each
+    micro-batch runs every op of the step again, checkpointing recomputes the forward."""
+    return plan.accum * (1.0 if plan.checkpoint == "none" else 1.3)
 
 
 def ranks_to_run(world: int, ranks=None) -> list[int]:
@@ -111,7 +181,8 @@ def ranks_to_run(world: int, ranks=None) -> list[int]:
 
 
 # --- GPU targets: fake execution --------------------------------------------------------
-def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks) -> Verification:
+def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks,
+          slots: ChildSlots, server) -> Verification:
     from ..commands.profile_fake import run_child
     from ..gpus import gpu_profile
     gpu = gpu_profile(hw.name) if hw.device_type == "cuda" else None
@@ -132,15 +203,29 @@ def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks)
             "7% off the real run at the median, up to 152% (docs/ACCURACY.md); the real run "
             "(--verify-by real, the default on the CPU) is")
     with tempfile.TemporaryDirectory(prefix="memadvisor-verify-") as folder:
-        for rank in chosen:
+        def run_rank(rank: int):
             output = Path(folder) / f"rank{rank}.trace"
             spec = {"script": str(copy), "args": script.args, "output": str(output),
-                    "gpu": gpu.name if gpu else None, "nproc": plan.world, "rank": rank, "steps": steps,
-                    "timeout_s": FAKE_STEP_TIMEOUT_S, "step_boundary": "auto", "quiet": True}
-            try:
-                result = run_child(spec, cwd=str(script.cwd), capture=True)
-            except UserError as exc:
-                verification.failed = f"rank {rank}: {exc}"
+                    "gpu": gpu.name if gpu else None, "nproc": plan.world, "rank": rank,
+                    "steps": steps, "timeout_s": FAKE_STEP_TIMEOUT_S,
+                    "step_boundary": "auto", "quiet": True}
+            asked = time.monotonic()
+            with slots.slot(plan_cost(plan), key=(plan.to_compact(), rank)):
+                waits.append(time.monotonic() - asked)
+                try:
+                    return run_child(spec, cwd=str(script.cwd), capture=True, server=server)
+                except UserError as exc:
+                    return exc
+
+        # the ranks are separate processes: they run side by side as cores allow
+        waits: list[float] = []
+        with ThreadPoolExecutor(max_workers=len(chosen)) as pool:
+            results = dict(zip(chosen, pool.map(run_rank, chosen)))
+        verification.waited_s = min(waits, default=0.0)
+        for rank in chosen:
+            result = results[rank]
+            if isinstance(result, UserError):
+                verification.failed = f"rank {rank}: {result}"
                 return verification
             if "cannot_run" in result:
                 verification.failed = f"rank {rank}: {result['cannot_run']}"

@@ -184,3 +184,29 @@ def test_messages_name_the_users_lines_not_the_hidden_copy(tmp_path):
         f"{script.path}:4 read"  # re-indented by the micro-batch loop: still the user's line
     assert in_user_terms(f"at {copy}:5", copy, script, rewritten) == \
         f"at {script.path} (line 5 of the rewritten script)"
+
+
+def test_a_freed_core_goes_to_the_costliest_waiting_run():
+    import threading
+    import time
+
+    from memadvisor.verify.execute import ChildSlots, plan_cost
+    assert plan_cost(Plan(accum=8)) > plan_cost(Plan(checkpoint="auto")) > plan_cost(Plan())
+    slots = ChildSlots(1)
+    started: list[float] = []
+    holding = slots.slot(0.0)
+    holding.__enter__()
+
+    def run(cost: float) -> None:
+        with slots.slot(cost):
+            started.append(cost)
+
+    threads = [threading.Thread(target=run, args=(cost,)) for cost in (1.0, 8.0, 4.0)]
+    for thread in threads:
+        thread.start()
+    while len(slots._waiting) < 3:
+        time.sleep(0.01)
+    holding.__exit__(None, None, None)
+    for thread in threads:
+        thread.join()
+    assert started == [8.0, 4.0, 1.0]
