@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..trace import schema
-from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
+from .replay import (CATEGORY_CODE, FREE_FIRST, PHASE_CODE, Timeline, merge_order,
+                     replay_events)
 
 _GRADIENT = CATEGORY_CODE[schema.GRADIENT]
 _TEMPORARY = CATEGORY_CODE[schema.TEMPORARY]
@@ -78,8 +79,7 @@ def accumulated_peak(timeline: Timeline, accum: int, categories: bool = True):
     if keys is not None:
         start, end = keys
         local, outliving, released = _masks(timeline, start, end)
-        sorted_keys = timeline.sort_keys()[order]
-        w0, w1 = (int(i) for i in np.searchsorted(sorted_keys, [start - 1e-6, end - 1e-6]))
+        w0, w1 = (int(i) for i in timeline.sorted_position([start - 1e-6, end - 1e-6]))
         if w1 > w0:
             window = order[w0:w1]
             is_alloc = window >= rows
@@ -97,7 +97,7 @@ def accumulated_peak(timeline: Timeline, accum: int, categories: bool = True):
     value, position, spike, middle_info = best
     if position < 0:
         return Peak(0, -1.0, {})
-    key = float(timeline.sort_keys()[order[position]])
+    key = float(timeline.event_keys(order[position:position + 1])[0])
     if not categories:
         return Peak(value, key, {})
     alive = timeline.alive_rows(0, upto_sorted=position)
@@ -166,3 +166,58 @@ def apply_accumulation(timeline: Timeline, accum: int) -> Timeline:
         out = out.appended({name: np.concatenate(parts) for name, parts in additions.items()})
     out.n_events = timeline.n_events + int(shift_after)
     return out
+
+
+def accumulated_events(timeline: Timeline, accum: int) -> tuple[np.ndarray, np.ndarray]:
+    """``replay.replay_events(apply_accumulation(timeline, accum))`` -- the allocation
+    stream of the micro-steps laid out, for the allocator model -- from the laid-out
+    sizes and keys only (its other columns are not made).  The order is the one the
+    laid-out timeline's ``order()`` merges from ``timeline``'s (computed first, as in
+    ``simulate``)."""
+    keys = segment_keys(timeline) if accum > 1 else None
+    if keys is None:
+        return replay_events(timeline)
+    parent = timeline.order()
+    start, end = keys
+    copies = min(accum, 3)
+    length = float(end - start)
+    shift_after = (copies - 1) * length
+    alloc, free = timeline.alloc_key, timeline.free_key
+    local, outliving, _ = _masks(timeline, start, end)
+
+    def moved(key: np.ndarray) -> np.ndarray:  # apply_accumulation's, micro-step 0
+        inside = (key >= start) & (key < end)
+        return np.where(inside, key + 0 * length,
+                        np.where(key >= end, key + shift_after, key))
+
+    base_alloc, base_free = moved(alloc), moved(free)
+    keeps_grad = outliving & (timeline.category == _GRADIENT)
+    replaced = outliving & ~keeps_grad
+    base_free = np.where(replaced, alloc + length + JUST_AFTER, base_free)
+    sizes, allocs, frees = [timeline.size], [base_alloc], [base_free]
+    for copy in range(1, copies):  # the rows apply_accumulation appends, in its order
+        last = copy == copies - 1
+        for mask, kind in ((local, "local"), (keeps_grad, "grad"), (replaced, "replaced")):
+            if not mask.any():
+                continue
+            new_alloc = alloc[mask] + copy * length
+            if kind == "local":
+                new_free = free[mask] + copy * length
+            elif kind == "grad":
+                new_free = new_alloc + JUST_AFTER
+            else:
+                new_free = free[mask] + shift_after if last else new_alloc + length + JUST_AFTER
+            sizes.append(timeline.size[mask])
+            allocs.append(new_alloc)
+            frees.append(new_free)
+    size = np.concatenate(sizes)
+    rows = len(size)
+    sort_keys = np.concatenate(frees + allocs)
+    sort_keys[:rows] -= FREE_FIRST
+    changed = (base_alloc != alloc) | (base_free != free)
+    order = merge_order(sort_keys, rows, parent, len(timeline), changed)
+    is_alloc = order >= rows
+    row = np.where(is_alloc, order - rows, order)
+    sizes = size[row]
+    keep = sizes > 0
+    return np.where(is_alloc, sizes, -sizes)[keep], row[keep]

@@ -254,8 +254,8 @@ def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
     live: dict[int, _Block] = {}
     magnitude = np.abs(signed_sizes).round().astype(np.int64)
     if config.default_rules:
-        rounded = np.where(magnitude < MIN_BLOCK, MIN_BLOCK,
-                           -(-magnitude // MIN_BLOCK) * MIN_BLOCK)
+        # up to a whole block (MIN_BLOCK a power of two: a mask, not a division), at least one
+        rounded = np.maximum((magnitude + (MIN_BLOCK - 1)) & -MIN_BLOCK, MIN_BLOCK)
     else:
         native = False
         rounded = np.array([config.round_size(int(m)) for m in magnitude], dtype=np.int64)

@@ -32,7 +32,7 @@ from ..trace import schema
 from .accumulation import _masks, segment_keys
 from .offload import optimizer_step_temporaries, persistent_rows
 from .optimizer_swap import FOREACH_OP
-from .replay import CATEGORY_CODE, FREE_FIRST, Timeline
+from .replay import CATEGORY_CODE, FREE_FIRST, Timeline, sorted_search
 from .sharding import shard_additions, zero1_share
 
 CHUNK = 128  #: events per chunk
@@ -97,9 +97,9 @@ class _Additions:
         sizes = rows["size"]
         keys = np.concatenate([rows["alloc_key"], rows["free_key"] - FREE_FIRST])
         signed = np.concatenate([sizes, -sizes])
-        order = np.argsort(keys, kind="stable")  # as ``replay._merge_order`` inserts them
+        order = np.argsort(keys, kind="stable")  # as ``replay.merge_order`` inserts them
         self.keys = keys[order]
-        self.positions = _sorted_search(keys_of, event_order, self.keys, "right")
+        self.positions = sorted_search(keys_of, event_order, self.keys, "right")
         self.running = np.cumsum(signed[order])  # added bytes alive after each added event
         self.slot = np.searchsorted(layout.slot_positions, self.positions)
         self.before = _running_before(self.positions, self.running, layout.starts)
@@ -149,10 +149,10 @@ class LayoutBounds:
         scaled_state = (self.groups % 2 == 1) & np.isin(self.groups // 2, MODEL_STATE)
         self.supported = not bool((scaled_state & (timeline.size > 0)).any())
         self.event_group = self.groups[row]
-        by_group = np.argsort(self.event_group, kind="stable")
-        self.group_start = np.searchsorted(self.event_group[by_group], np.arange(GROUPS + 1))
-        self.members = [by_group[self.group_start[g]:self.group_start[g + 1]]
-                        for g in range(GROUPS)]
+        # each group's events ascending (a stable sort by group, one pass per group)
+        self.members = [np.flatnonzero(self.event_group == g) for g in range(GROUPS)]
+        by_group = np.concatenate(self.members)
+        self.group_start = np.cumsum([0] + [len(m) for m in self.members])
         self.grouped_size = self.event_size[by_group]
         self.grouped_sign = self.sign[by_group]
         self.blocks, self.fractions = blocks, fractions
@@ -162,7 +162,7 @@ class LayoutBounds:
                          for kind in kinds}
         keys = np.concatenate([np.concatenate([r["alloc_key"], r["free_key"] - FREE_FIRST])
                                for r in additions.values()])
-        self.slot_positions = np.unique(_sorted_search(keys_of, order, keys, "right"))
+        self.slot_positions = np.unique(sorted_search(keys_of, order, keys, "right"))
         n = len(order)
         self.n = n
         self.segment = segment_keys(timeline)
@@ -170,7 +170,7 @@ class LayoutBounds:
         cuts = [np.arange(0, n, CHUNK), self.slot_positions[self.slot_positions < n]]
         if self.segment is not None:
             start, end = self.segment
-            w0, w1 = (int(i) for i in _sorted_search(keys_of, order,
+            w0, w1 = (int(i) for i in sorted_search(keys_of, order,
                                                      np.array([start - 1e-6, end - 1e-6])))
             if w1 > w0:
                 self.window = (w0, w1)
@@ -179,6 +179,10 @@ class LayoutBounds:
                               | np.where(released[row] & ~is_alloc, RELEASED, 0)
                               ).astype(np.int8)
                 self.grouped_flags = self.flags[by_group]
+                flagged = np.flatnonzero(self.grouped_flags)
+                self.grouped_flagged = [flagged[(flagged >= self.group_start[g])
+                                                & (flagged < self.group_start[g + 1])]
+                                        - self.group_start[g] for g in range(GROUPS)]
                 # the few rows that enter the micro-step otherwise, by group (row order)
                 released_rows, outliving_rows = np.flatnonzero(released), np.flatnonzero(
                     outliving)
@@ -191,14 +195,11 @@ class LayoutBounds:
         starts = np.unique(np.concatenate(cuts))
         self.starts = starts[(starts >= 0) & (starts < n)] if n else np.zeros(0, np.int64)
         self.ends = np.append(self.starts[1:], n)
-        # each chunk's first event within each group's run: one counting pass for all groups
-        # (a binary search per chunk and column missed the cache on long traces)
-        chunk = np.repeat(np.arange(len(self.starts), dtype=np.int32),
-                          (self.ends - self.starts)[:len(self.starts)])
-        counts = np.bincount(chunk.astype(np.int64) * GROUPS + self.event_group,
-                             minlength=len(self.starts) * GROUPS).reshape(-1, GROUPS)
-        del chunk
-        self.heads = np.cumsum(counts, axis=0) - counts
+        # each chunk's first event within each group's run: a binary search per chunk and
+        # group, the chunks in order (each search starts where the last one ended)
+        self.heads = np.stack([np.searchsorted(members, self.starts) for members in
+                               self.members], axis=1) if len(self.starts) else \
+            np.zeros((0, GROUPS), np.int64)
         if self.window is not None:
             w0, w1 = self.window
             inside = (self.starts >= w0) & (self.starts < w1)
@@ -239,12 +240,16 @@ class LayoutBounds:
                         + _shrunk(sizes[outliving], ranks).sum())
             window_events = events[i0:i1]
             window_size = size[i0:i1]
-            flags = self.grouped_flags[first + i0:first + i1]
-            bump = np.where(flags & OUTLIVING, window_size, 0.0)
-            step = np.where(flags != 0, 0.0, sign[i0:i1] * window_size)
+            flagged = self.grouped_flagged[group]  # the few flagged events, in the window
+            flagged = flagged[(flagged >= i0) & (flagged < i1)] - i0
+            step = sign[i0:i1] * window_size
+            step[flagged] = 0.0
             mid_cum = entering + np.cumsum(step)
+            outliving = flagged[self.grouped_flags[first + i0 + flagged] & OUTLIVING != 0]
+            peaks = mid_cum.copy()
+            peaks[outliving] += window_size[outliving]
             column.mid_before, column.mid_max = _chunk_stats(
-                heads[self.mid_chunks] - i0, i1 - i0, mid_cum, mid_cum + bump, entering)
+                heads[self.mid_chunks] - i0, i1 - i0, mid_cum, peaks, entering)
             slots = np.clip(self.slot_positions, w0, w1) - 1
             column.mid_at = np.where(self.slot_positions <= w0, entering,
                                      _value_after(window_events, mid_cum, slots, entering))
@@ -355,22 +360,3 @@ def _chunk_stats(heads, count, cum, peaks, initial: float = 0.0):
     nonempty = np.diff(np.append(heads, count)) > 0
     top[nonempty] = np.maximum(top[nonempty], np.maximum.reduceat(peaks, heads[nonempty]))
     return before, top
-
-
-def _sorted_search(keys: np.ndarray, order: np.ndarray, queries: np.ndarray,
-                   side: str = "left") -> np.ndarray:
-    """``np.searchsorted(keys[order], queries, side)`` without gathering ``keys[order]``
-    (a layout only places a few hundred keys on its event axis): a binary search per
-    query, all queries at once."""
-    queries = np.asarray(queries, dtype=np.float64)
-    low = np.zeros(len(queries), np.int64)
-    high = np.full(len(queries), len(order), np.int64)
-    while True:
-        active = low < high
-        if not active.any():
-            return low
-        middle = (low + high) // 2
-        value = keys[order[np.minimum(middle, len(order) - 1)]]
-        after = value <= queries if side == "right" else value < queries
-        low = np.where(active & after, middle + 1, low)
-        high = np.where(active & ~after, middle, high)

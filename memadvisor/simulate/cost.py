@@ -83,8 +83,10 @@ _ATTENTION = "scaled_dot_product"
 def flops_from_shapes(timeline, meta) -> dict[str, float]:
     """Forward FLOPs per module estimated from output shapes, for traces whose
     ``op_stats`` carry no FLOPs: a Linear/Conv output of ``n`` positions costs
-    2 x n x (the module's own parameters); attention (B, H, T, D) costs 4 x B x H x T^2 x D."""
+    2 x n x (the module's own parameters); attention (B, H, T, D) costs 4 x B x H x T^2 x D.
+    Each module's rows are summed in row order (``np.add.accumulate``)."""
     import numpy as np
+    import pandas as pd
 
     from ..trace import schema
     from .replay import PHASE_CODE
@@ -92,27 +94,58 @@ def flops_from_shapes(timeline, meta) -> dict[str, float]:
     owned = {m["path"]: int(m.get("parameter_count", 0)) for m in meta.modules}
     forward = np.flatnonzero((timeline.phase == PHASE_CODE[schema.FORWARD])
                              & (timeline.alloc_key >= 0))
-    ops = np.asarray(timeline.ops, dtype=object)[timeline.op[forward]]
-    modules = np.asarray(timeline.modules, dtype=object)[timeline.module[forward]]
-    shapes = timeline.shape[forward]
+    shape_codes, shapes = pd.factorize(timeline.shape[forward])
+    # one figure per distinct (op, module, shape): rows only look it up
+    ops = timeline.op[forward].astype(np.int64)
+    modules = timeline.module[forward].astype(np.int64)
+    width = len(shapes) + 1
+    inverse, combos = pd.factorize((ops * (len(timeline.modules) + 1) + modules) * width
+                                   + shape_codes + 1)
+    figures = np.array([_shape_flops(timeline.ops[int(ops[row])],
+                                     timeline.modules[int(modules[row])],
+                                     shapes[shape_codes[row]] if shape_codes[row] >= 0
+                                     else None, owned)
+                        for row in _first_rows(inverse, len(combos))] or [0.0])
+    flops = figures[inverse] if len(forward) else np.zeros(0)
+    rows = np.flatnonzero(flops != 0)
+    modules = modules[rows]
+    by_module = np.argsort(modules, kind="stable")
+    starts = np.flatnonzero(np.diff(modules[by_module], prepend=-1))
+    ends = np.append(starts[1:], len(rows))
+    first_rows = by_module[starts]  # where each module first appears: the dict's order
     out: dict[str, float] = {}
-    for op, module, shape in zip(ops, modules, shapes):
-        dims = [int(d) for d in str(shape).split(",")] if shape else []
-        if not dims:
-            continue
-        numel = float(np.prod(dims))
-        if not numel:  # an empty tensor (or a storage resized to nothing)
-            continue
-        flops = 0.0
-        if op in _LINEAR_OPS and owned.get(module):
-            flops = 2.0 * owned[module] * numel / dims[-1]
-        elif op in _CONV_OPS and owned.get(module) and len(dims) > 1:
-            flops = 2.0 * owned[module] * numel / dims[1]
-        elif _ATTENTION in str(op) and len(dims) == 4:
-            flops = 4.0 * numel * dims[2]
-        if flops:
-            out[module] = out.get(module, 0.0) + flops
+    for index in np.argsort(first_rows, kind="stable").tolist():
+        values = flops[rows[by_module[starts[index]:ends[index]]]]
+        out[timeline.modules[int(modules[by_module[starts[index]]])]] = float(
+            np.add.accumulate(values)[-1])
     return out
+
+
+def _first_rows(codes, count: int) -> list[int]:
+    """The first row of each code 0..count-1."""
+    import numpy as np
+
+    first = np.full(count, len(codes), np.int64)
+    np.minimum.at(first, codes, np.arange(len(codes)))
+    return first.tolist()
+
+
+def _shape_flops(op: str, module: str, shape, owned: dict[str, int]) -> float:
+    import numpy as np
+
+    dims = [int(d) for d in str(shape).split(",")] if shape else []
+    if not dims:
+        return 0.0
+    numel = float(np.prod(dims))
+    if not numel:  # an empty tensor (or a storage resized to nothing)
+        return 0.0
+    if op in _LINEAR_OPS and owned.get(module):
+        return 2.0 * owned[module] * numel / dims[-1]
+    if op in _CONV_OPS and owned.get(module) and len(dims) > 1:
+        return 2.0 * owned[module] * numel / dims[1]
+    if _ATTENTION in str(op) and len(dims) == 4:
+        return 4.0 * numel * dims[2]
+    return 0.0
 
 
 def with_shape_flops(work: WorkProfile, per_module: dict[str, float]) -> WorkProfile:

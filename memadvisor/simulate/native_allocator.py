@@ -112,7 +112,8 @@ def _wrap(fn):
         kind = np.ascontiguousarray(kind, np.int8)
         rows = np.ascontiguousarray(rows, np.int64)
         rounded = np.ascontiguousarray(rounded, np.int64)
-        small = np.ascontiguousarray(small, np.uint8)
+        small = np.ascontiguousarray(small)
+        small = small.view(np.uint8) if small.dtype == bool else small.astype(np.uint8)
         consts = np.asarray(constants, np.int64)
         out = np.zeros(5, np.int64)
         fn(len(kind), kind.ctypes.data, rows.ctypes.data, rounded.ctypes.data,

@@ -280,51 +280,25 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     is_low = np.zeros(len(timeline), bool)
     floating = timeline.dtype_in(("float32", "float16", "bfloat16"))
     forward = forward[floating[forward]]
-    positions, last_dims = _row_positions(timeline, forward)
     kind_of_op = np.array([2 if op in lower_ops else 1 if op in fp32_ops else
                            3 if op in PASS_THROUGH else 0 for op in timeline.ops] or [0], np.int8)
-    kinds = kind_of_op[timeline.op[forward]].tolist()
     # attention's math path computes in fp32 whatever its inputs (no autocast casts there)
     # and hands its result back in its inputs' (16-bit) dtype: kind 4.  A Dropout module's
     # mask and product follow its input: kind 3.  autocast's promote ops (cat, stack) take
     # the widest input: fp32 where the module holds parameters of its own (a class token
     # joined to 16-bit patches), else the input's dtype: kind 5.
     sdpa = _sdpa_math_rows(timeline, device_type)
-    dropout = {i for i, name in enumerate(timeline.modules)
-               if str(module_types.get(name, "")).startswith("Dropout")}
-    promote = {i for i, name in enumerate(timeline.ops) if name in _PROMOTE}
-    kinds = [4 if sdpa[row] else 3 if int(timeline.module[row]) in dropout
-             else 5 if int(timeline.op[row]) in promote else kind
-             for row, kind in zip(forward.tolist(), kinds)]
-    previous_low = False
-    low_rows: list[bool] = []
-    casts: list[tuple[int, int]] = []  #: (fp32 input row, low-precision op row)
-    recent: list[int] = []  #: indices into ``forward`` made since the last low-precision op
-    for i, kind in enumerate(kinds):
-        if kind == 2:
-            row_low = True
-            # the fp32 tensor the op most likely read: the latest row since the previous
-            # low-precision op with as many positions (all dims but the last) as the op's
-            # output and a real feature dimension (not a norm's per-position statistics)
-            for j in reversed(recent):
-                if positions[j] == positions[i] and last_dims[j] > 1:
-                    if not low_rows[j]:
-                        casts.append((int(forward[j]), int(forward[i])))
-                    break
-            recent = []
-        elif kind == 1:
-            row_low = False
-        elif kind == 3:
-            row_low = previous_low
-        elif kind == 5:
-            row_low = previous_low and not module_parameter_bytes.get(
-                timeline.modules[int(timeline.module[forward[i]])], 0)
-        else:
-            row_low = False  # keeps its recorded dtype
-        low_rows.append(row_low)
-        previous_low = row_low or kind == 4
-        recent.append(i)
-    is_low[forward] = np.asarray(low_rows, bool)
+    dropout = np.array([str(module_types.get(name, "")).startswith("Dropout")
+                        for name in timeline.modules] or [False])
+    owns = np.array([bool(module_parameter_bytes.get(name, 0)) for name in timeline.modules]
+                    or [False])
+    promote = np.array([name in _PROMOTE for name in timeline.ops] or [False])
+    module, op = timeline.module[forward], timeline.op[forward]
+    kinds = np.select([sdpa[forward], dropout[module], promote[op]], [4, 3, 5],
+                      kind_of_op[op]).astype(np.int8)
+    low_rows = _low_rows(kinds, owns[module])
+    casts = _input_cast_rows(timeline, forward, kinds, low_rows)
+    is_low[forward] = low_rows
     # backward tensors shaped like a 16-bit forward tensor of the same module
     backward = np.flatnonzero((timeline.phase == _BACKWARD)
                               & timeline.category_mask(schema.TEMPORARY, schema.ACTIVATION))
@@ -358,34 +332,37 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     grads = np.flatnonzero(timeline.category_mask(schema.GRADIENT) & (timeline.alloc_key >= 0)
                            & (timeline.phase == _BACKWARD) & np.isin(timeline.module, list(ran_low)))
     cast_key = _gradient_casts(timeline, grads)
+    # rows of the step only: a gradient alive from the previous step is filed under
+    # backward at key -1, and would start the copy before the step
+    in_step = (timeline.alloc_key >= 0) & np.isin(timeline.module, list(ran_low))
+    fwd_first, fwd_last, _ = _module_key_range(timeline, in_step & (timeline.phase == _FORWARD))
+    bwd_first, bwd_last, bwd_count = _module_key_range(
+        timeline, in_step & (timeline.phase == _BACKWARD))
     for code in sorted(ran_low):
         path = str(modules[code])
         owned = module_parameter_bytes.get(path, 0)
         if owned <= 0:
             continue
         saved = code != first_owner
-        # rows of the step only: a gradient alive from the previous step is filed under
-        # backward at key -1, and would start the copy before the step
-        in_module = (timeline.module == code) & (timeline.alloc_key >= 0)
-        fwd = timeline.alloc_key[in_module & (timeline.phase == _FORWARD)]
-        bwd = timeline.alloc_key[in_module & (timeline.phase == _BACKWARD)]
-        start = float(fwd.min()) - 0.5
+        has_bwd = bool(bwd_count[code])
+        start = float(fwd_first[code]) - 0.5
         # a saved copy goes with its op's backward node, before that node's weight gradient
         # is cast into the fp32 .grad (the module's first gradient row)
         grads_made = cast_key[timeline.module[grads] == code]
         done = (float(grads_made.min()) - 0.05 if len(grads_made)
-                else float(bwd.max()) + 0.5 if len(bwd) else None)
-        end = done if saved and done is not None else max(forward_end, float(fwd.max()) + 0.5)
+                else float(bwd_last[code]) + 0.5 if has_bwd else None)
+        end = done if saved and done is not None else max(forward_end,
+                                                          float(fwd_last[code]) + 0.5)
         spans = [(start, end)]
-        if _inside(path, regions) and len(bwd):
+        if _inside(path, regions) and has_bwd:
             # checkpointed: nothing saves the copy, autocast's cache dies with the forward;
             # the recompute (the module's first backward rows) casts the weights again
-            again = float(bwd.min()) - 1e-5
+            again = float(bwd_first[code]) - 1e-5
             # the first module's recompute copy lives in autocast's cache until the
             # recompute is done, i.e. through the region's backward (measured:
             # cnn_classifier's first convolution, amp-bf16 with checkpoint=auto)
-            spans = [(start, float(fwd.max()) + 0.5),
-                     (again, end if saved else float(bwd.max()) + 0.5)]
+            spans = [(start, float(fwd_last[code]) + 0.5),
+                     (again, end if saved else float(bwd_last[code]) + 0.5)]
         for first, last in spans:
             rows["size"].append(owned * itemsize_ratio)
             rows["alloc_key"].append(first)
@@ -415,6 +392,59 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     return out
 
 
+def _low_rows(kinds: np.ndarray, owns: np.ndarray) -> np.ndarray:
+    """Which forward rows (in allocation order) autocast makes 16-bit, by kind: 2 (a
+    low-precision op) yes; 0, 1 (kept, fp32 list), 4 (attention's math path) no; 3 (passes
+    its input on) and 5 (promote, in a module without parameters of its own) as the row
+    before, where a kind-4 row counts as 16-bit; 5 in a module with parameters no."""
+    if not len(kinds):
+        return np.zeros(0, bool)
+    follows = (kinds == 3) | ((kinds == 5) & ~owns)
+    hands_on = (kinds == 2) | (kinds == 4)  # what a row that decides tells the next one
+    deciding = np.where(follows, -1, np.arange(len(kinds)))
+    last = np.maximum.accumulate(deciding)
+    before = np.concatenate([[-1], last[:-1]])  # the last deciding row before each row
+    inherited = np.where(before >= 0, hands_on[np.maximum(before, 0)], False)
+    return np.where(follows, inherited, kinds == 2)
+
+
+def _input_cast_rows(timeline: Timeline, forward: np.ndarray, kinds: np.ndarray,
+                     low_rows: np.ndarray) -> list[tuple[int, int]]:
+    """(fp32 input row, low-precision op row) per low-precision op fed by an fp32 tensor:
+    the tensor the op most likely read is the latest row since the previous low-precision
+    op (that op's own row included) with as many positions (all dims but the last) as the
+    op's output and a real feature dimension (not a norm's per-position statistics)."""
+    ops = np.flatnonzero(kinds == 2)
+    if not len(ops):
+        return []
+    positions, last_dims = _row_positions(timeline, forward)
+    codes = np.unique(positions, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    count = len(forward)
+    candidates = np.flatnonzero(last_dims > 1)
+    by_position = np.sort(codes[candidates] * count + candidates)
+    # the latest candidate before each op with the op's positions
+    found = np.searchsorted(by_position, codes[ops] * count + ops) - 1
+    value = by_position[np.maximum(found, 0)] if len(by_position) else np.zeros(len(ops),
+                                                                                np.int64)
+    latest = value % count
+    since = np.concatenate([[0], ops[:-1]])  # the previous low-precision op, or the start
+    hit = (found >= 0) & (value // count == codes[ops]) & (latest >= since)
+    hit &= ~low_rows[latest]
+    return list(zip(forward[latest[hit]].tolist(), forward[ops[hit]].tolist()))
+
+
+def _module_key_range(timeline: Timeline, mask: np.ndarray):
+    """Per module code: the smallest and largest ``alloc_key`` of the rows in ``mask``,
+    and how many there are."""
+    count = len(timeline.modules) + 1
+    rows = np.flatnonzero(mask)
+    module, keys = timeline.module[rows], timeline.alloc_key[rows]
+    first, last = np.full(count, np.inf), np.full(count, -np.inf)
+    np.minimum.at(first, module, keys)
+    np.maximum.at(last, module, keys)
+    return first, last, np.bincount(module, minlength=count)
+
+
 def _gradient_casts(timeline: Timeline, grads: np.ndarray) -> np.ndarray:
     """When autocast's 16-bit weight gradients (``grads``: the fp32 trace's .grad rows)
     become fp32 .grad: AccumulateGrad casts them after their backward node is done, i.e.
@@ -431,13 +461,19 @@ def _gradient_casts(timeline: Timeline, grads: np.ndarray) -> np.ndarray:
     keys, recorded = keys[order], recorded[order]
     gradient = timeline.category_mask(schema.GRADIENT)
     out = np.empty(len(grads))
-    for i, row in enumerate(grads):
+    for i, row in enumerate(grads.tolist()):
         key = float(timeline.alloc_key[row])
-        later = np.flatnonzero(keys > key)
-        same_node = gradient[recorded[later]] & (timeline.module[recorded[later]]
-                                                 == timeline.module[row])
-        following = later[~same_node]
-        out[i] = float(keys[following[0]]) - 0.2 if len(following) else key + 0.5
+        out[i] = key + 0.5
+        # the first later row that is not one of the node's own gradients (a few rows on)
+        start = int(np.searchsorted(keys, key, side="right"))
+        while start < len(keys):
+            later = recorded[start:start + 64]
+            following = np.flatnonzero(~(gradient[later] & (timeline.module[later]
+                                                            == timeline.module[row])))
+            if len(following):
+                out[i] = float(keys[start + following[0]]) - 0.2
+                break
+            start += 64
     # several gradients cast at one point: in their recorded order
     for point in np.unique(out):
         at = np.flatnonzero(out == point)
@@ -456,27 +492,37 @@ def _sibling_gradients(timeline: Timeline, is_low: np.ndarray,
     out = np.zeros(len(timeline), bool)
     forward = np.flatnonzero((timeline.phase == _FORWARD) & (timeline.alloc_key >= 0)
                              & timeline.dtype_in(("float32", "float16", "bfloat16")))
-    own = set(zip(timeline.module[forward].tolist(), timeline.shape[forward].tolist()))
-    orphans = [row for row in backward
-               if (int(timeline.module[row]), timeline.shape[row]) not in own]
-    if not orphans:
+    # (module, shape) and (parent module, shape) as integers: shapes by code (None: 0)
+    shape_codes = pd.factorize(timeline.shape[np.concatenate([forward, backward])])[0] + 1
+    shapes = int(shape_codes.max()) + 1 if len(shape_codes) else 1
+    forward_shape, backward_shape = shape_codes[:len(forward)], shape_codes[len(forward):]
+    module = timeline.module.astype(np.int64)
+    own = module[forward] * shapes + forward_shape
+    orphan = ~np.isin(module[backward] * shapes + backward_shape, own)
+    orphans, orphan_shape = backward[orphan], backward_shape[orphan]
+    if not len(orphans):
         return out
-    parent = [name.rpartition(".")[0] for name in timeline.modules]
-    status: dict[tuple[str, str], set] = {}
-    for row in forward:
-        status.setdefault((parent[int(timeline.module[row])], timeline.shape[row]),
-                          set()).add(bool(is_low[row]))
-    first_made: dict[int, float] = {}
-    for row in forward[np.argsort(timeline.alloc_key[forward], kind="stable")]:
-        first_made.setdefault(int(timeline.module[row]), float(timeline.alloc_key[row]))
-    for row in orphans:
-        found = status.get((parent[int(timeline.module[row])], timeline.shape[row]))
-        if found is None:
-            # no sibling made that shape: the module's input came from further away (a
-            # pooling layer after a nested conv block): the tensor of that shape made last
-            # before the module's first forward tensor, whoever made it
-            found = _input_status(timeline, forward, is_low, row,
-                                  first_made.get(int(timeline.module[row])))
+    parent = pd.factorize(np.array([name.rpartition(".")[0] for name in timeline.modules]
+                                   + [""], dtype=object))[0].astype(np.int64)
+    keys, group = np.unique(parent[module[forward]] * shapes + forward_shape,
+                            return_inverse=True)
+    # a (parent, shape) is 16-bit when every forward tensor of its siblings is
+    all_low = np.bincount(group, weights=is_low[forward]) == np.bincount(group)
+    wanted = parent[module[orphans]] * shapes + orphan_shape
+    at = np.minimum(np.searchsorted(keys, wanted), max(len(keys) - 1, 0))
+    known = (keys[at] == wanted) if len(keys) else np.zeros(len(orphans), bool)
+    out[orphans[known]] = all_low[at[known]]
+    if known.all():
+        return out
+    first_made = np.full(len(timeline.modules) + 1, np.inf)
+    np.minimum.at(first_made, module[forward], timeline.alloc_key[forward])
+    for row in orphans[~known].tolist():
+        # no sibling made that shape: the module's input came from further away (a
+        # pooling layer after a nested conv block): the tensor of that shape made last
+        # before the module's first forward tensor, whoever made it
+        start = first_made[int(module[row])]
+        found = _input_status(timeline, forward, is_low, row,
+                              float(start) if np.isfinite(start) else None)
         out[row] = found == {True}
     return out
 
@@ -505,13 +551,13 @@ def _positions(shape: str) -> tuple[int, int]:
     return positions, dims[-1]
 
 
-def _row_positions(timeline: Timeline, rows: np.ndarray) -> tuple[list[int], list[int]]:
+def _row_positions(timeline: Timeline, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(positions, last dimension) of each row's shape, parsed once per distinct shape."""
     inverse, shapes = pd.factorize(timeline.shape[rows])
     parsed = [_positions(str(shape)) for shape in shapes]
-    counts = np.array([p[0] for p in parsed], np.int64)
-    lasts = np.array([p[1] for p in parsed], np.int64)
-    return counts[inverse].tolist(), lasts[inverse].tolist()
+    counts = np.array([p[0] for p in parsed] or [0], np.int64)
+    lasts = np.array([p[1] for p in parsed] or [0], np.int64)
+    return counts[inverse], lasts[inverse]
 
 
 def _input_casts(out: Timeline, timeline: Timeline, casts: list[tuple[int, int]],

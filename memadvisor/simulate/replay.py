@@ -158,6 +158,16 @@ class Timeline:
         kind, whose order changes no peak."""
         return np.concatenate([self.free_key - FREE_FIRST, self.alloc_key])
 
+    def event_keys(self, events: np.ndarray) -> np.ndarray:
+        """``sort_keys()[events]`` without building every key."""
+        rows = len(self)
+        return np.where(events >= rows, self.alloc_key[np.maximum(events - rows, 0)],
+                        self.free_key[np.minimum(events, rows - 1)] - FREE_FIRST)
+
+    def sorted_position(self, keys, side: str = "left") -> np.ndarray:
+        """``np.searchsorted(sort_keys()[order()], keys, side)``, by binary search."""
+        return sorted_search(self, self.order(), keys, side)
+
     def order(self) -> np.ndarray:
         """Indices into the concatenated [frees, allocs] events, sorted by ``sort_keys``.
 
@@ -168,7 +178,7 @@ class Timeline:
             if self._parent is None:
                 self._order = np.argsort(keys, kind="stable")
             else:
-                self._order = _merge_order(keys, len(self), *self._parent)
+                self._order = merge_order(keys, len(self), *self._parent)
             self._parent = None
         return self._order
 
@@ -230,22 +240,64 @@ class Timeline:
 FREE_FIRST = 1e-7  #: below the smallest key step techniques use (1 / events in a step)
 
 
-def _merge_order(keys: np.ndarray, rows: int, parent_order: np.ndarray, parent_rows: int,
+def merge_order(keys: np.ndarray, rows: int, parent_order: np.ndarray, parent_rows: int,
                  changed: np.ndarray | None) -> np.ndarray:
-    old = parent_order
-    mapped = np.where(old < parent_rows, old, old - parent_rows + rows)
+    """The parent's order without the changed rows' events (``mapped``), with the changed
+    and added rows' events (``new``: frees, then allocs, rows ascending) placed by key; at
+    equal keys ``mapped`` first, then ``new`` in its own order.  That is a stable sort by
+    key of ``[mapped, new]``: it is computed as one, in linear time where ``new`` is small
+    (binary searches and one copy) or made of a few sorted runs (timsort)."""
+    mapped = parent_order
     added = np.arange(parent_rows, rows)
     if changed is not None and changed.any():
-        changed_rows = np.flatnonzero(changed[:parent_rows])
-        row_of = np.where(old < parent_rows, old, old - parent_rows)
-        mapped = mapped[~changed[:parent_rows][row_of]]
-        added = np.concatenate([changed_rows, added])
+        moved = changed[:parent_rows]
+        mapped = mapped[~np.concatenate([moved, moved])[mapped]]
+        added = np.concatenate([np.flatnonzero(moved), added])
+    if rows != parent_rows:  # allocs are numbered after the rows: shift them by the added rows
+        mapped = np.where(mapped < parent_rows, mapped, mapped + (rows - parent_rows))
     if not len(added):
         return mapped
     new = np.concatenate([added, added + rows])
+    if len(new) <= FEW_NEW:
+        new = new[np.argsort(keys[new], kind="stable")]
+        return _inserted(mapped, sorted_search(keys, mapped, keys[new], "right"), new)
     new = new[np.argsort(keys[new], kind="stable")]
-    positions = np.searchsorted(keys[mapped], keys[new], side="right")
-    return np.insert(mapped, positions, new)
+    merged = np.concatenate([mapped, new])  # two sorted runs: timsort merges them
+    return merged[np.argsort(keys[merged], kind="stable")]
+
+
+FEW_NEW = 4096  #: events placed one by one (binary search) rather than sorted in
+
+
+def _inserted(items: np.ndarray, positions: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``np.insert(items, positions, new)`` for a few ``positions`` in ascending order: one
+    copy of ``items`` in slices."""
+    parts = []
+    start = 0
+    for position, value in zip(positions.tolist(), np.split(new, len(new))):
+        parts += [items[start:position], value]
+        start = position
+    parts.append(items[start:])
+    return np.concatenate(parts)
+
+
+def sorted_search(keys, order: np.ndarray, queries, side: str = "left") -> np.ndarray:
+    """``np.searchsorted(keys[order], queries, side)`` without gathering ``keys[order]``
+    (for a few queries against a long axis): a binary search per query, all queries at
+    once.  ``keys``: an array by event index, or a ``Timeline`` (its ``event_keys``)."""
+    lookup = keys.event_keys if isinstance(keys, Timeline) else keys.__getitem__
+    queries = np.asarray(queries, dtype=np.float64)
+    low = np.zeros(len(queries), np.int64)
+    high = np.full(len(queries), len(order), np.int64)
+    while True:
+        active = low < high
+        if not active.any():
+            return low
+        middle = (low + high) // 2
+        value = lookup(order[np.minimum(middle, len(order) - 1)])
+        after = value <= queries if side == "right" else value < queries
+        low = np.where(active & after, middle + 1, low)
+        high = np.where(active & ~after, middle, high)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ..plan import FSDP_SHARDS, Plan, repeated_blocks, resolve_checkpoint_per_ro
 from ..trace import schema
 from ..trace.io import Trace
 from . import allocator as allocator_model
-from .accumulation import accumulated_peak, apply_accumulation
+from .accumulation import accumulated_events, accumulated_peak
 from .batch import RESIZE_OP, mark_batch_scaling, parameter_shapes, scale_batch
 from .checkpoint import apply_checkpoint
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
@@ -38,7 +38,7 @@ from .loop import hoisted_zero_grad, rewrites_loop
 from .offload import apply_offload, offload_activations, saved_activation_bytes
 from .optimizer_swap import FOREACH_OP, apply_optimizer_swap
 from .precision import apply_precision, scaler_bytes
-from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline, replay_events
+from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline
 from .sharding import apply_sharding, fsdp_layout, shard_additions
 
 
@@ -287,7 +287,7 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
     allocated = reserved = None
     oom = False
     if run_allocator and hw.device_type == "cuda":
-        sizes, rows = replay_events(apply_accumulation(timeline, plan.accum))
+        sizes, rows = accumulated_events(timeline, plan.accum)
         result = allocator_model.replay(sizes, rows, hw.memory_bytes, expandable_segments,
                                         allocator_stop_above)
         allocated, reserved, oom = (result.peak_allocated_bytes, result.peak_reserved_bytes,

@@ -119,7 +119,10 @@ def read_trace(path: str | os.PathLike) -> Trace:
         if not _type_matches(COLUMNS[name][0], table.schema.field(name).type):
             raise TraceError(f"{path}: column {name} has type {table.schema.field(name).type}, "
                              f"expected {COLUMNS[name][0]}")
-    events = table.to_pandas()
+    # one block per column, each Arrow buffer released as its column is converted: no
+    # second copy of the table while the DataFrame is made, and no consolidation copy
+    events = table.to_pandas(split_blocks=True, self_destruct=True)
+    del table
     problem = events_problem(events)
     if problem:
         raise TraceError(f"{path}: trace events are damaged ({problem})")
