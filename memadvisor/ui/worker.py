@@ -27,6 +27,12 @@ from ..units import format_bytes
 KEPT_PRICES = 4
 #: processes that price the plans for a number of GPUs (the worker and ones it forks)
 PRICING_PROCESSES = 2
+#: how much nicer than the server the worker and its helpers run
+WORKER_NICE = 5
+try:  # the niceness of the process that imported this (the server)
+    _server_nice = os.getpriority(os.PRIO_PROCESS, 0)
+except (OSError, AttributeError):
+    _server_nice = 0
 
 
 @dataclass
@@ -231,9 +237,15 @@ def _price_part(key: int, num_gpus: int, part: tuple[int, int]) -> list:
 
 def _worker_started(close_fds: tuple[int, ...]) -> None:
     """In the forked worker: Ctrl-C is the server's to handle (the worker ends with it,
-    without a traceback of its own), the worker dies with the server, and it holds none of
-    the server's sockets."""
+    without a traceback of its own), the worker dies with the server, it holds none of the
+    server's sockets, and it yields the CPU to the server and the browser (``WORKER_NICE``
+    above the server: the page is built and drawn first, the plans in the time left)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, max(now, _server_nice + WORKER_NICE))
+    except (OSError, AttributeError):
+        pass
     try:
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: Linux
