@@ -505,6 +505,11 @@ std::atomic<uint64_t> g_source_generation{1};
 // for one generation).  Only that thread reads and writes it, so it needs no lock.
 struct ScriptSources {
   uint64_t generation = 0;
+  // the last answer where the innermost frame was user code: it depends on that frame's
+  // code and instruction only (the walk stops there), and loops repeat them op after op
+  PyCodeObject* last_code = nullptr;
+  _Py_CODEUNIT* last_instr = nullptr;
+  int32_t last_id = -1;
   std::unordered_map<PyObject*, bool> user_code;
   std::unordered_map<std::pair<PyObject*, int>, int32_t, PairHash> site_ids;
 };
@@ -528,9 +533,13 @@ int32_t read_source_without_gil(T& t) {
   uint64_t generation = g_source_generation.load(std::memory_order_relaxed);
   if (t_sources.generation != generation) {
     t_sources.site_ids.clear();
+    t_sources.last_code = nullptr;
     t_sources.generation = generation;
   }
   auto* f = reinterpret_cast<Frame311*>(t.main_ts->cframe->current_frame);
+  if (f != nullptr && f->f_code == t_sources.last_code && f->prev_instr == t_sources.last_instr) {
+    return t_sources.last_id;
+  }
   for (bool first = true; f != nullptr; f = f->previous) {
     if (!first && incomplete(f)) continue;  // as PyFrame_GetBack
     first = false;
@@ -539,7 +548,13 @@ int32_t read_source_without_gil(T& t) {
     if (!user->second) continue;
     auto site = t_sources.site_ids.find(
         std::make_pair(reinterpret_cast<PyObject*>(f->f_code), lasti_bytes(f)));
-    return site == t_sources.site_ids.end() ? SOURCE_UNKNOWN : site->second;
+    if (site == t_sources.site_ids.end()) return SOURCE_UNKNOWN;
+    if (f == reinterpret_cast<Frame311*>(t.main_ts->cframe->current_frame)) {
+      t_sources.last_code = f->f_code;
+      t_sources.last_instr = f->prev_instr;
+      t_sources.last_id = site->second;
+    }
+    return site->second;
   }
   return -1;
 #else
