@@ -265,6 +265,15 @@ def shown_somewhere(priced: PricedPlans, budget_bytes: int, *, margin: float = 0
                 if predictions[i].plan.to_compact() not in priced.exact]
 
 
+def release(priced: PricedPlans) -> None:
+    """Drop the layout timelines kept for the next exact pass (a caller between jobs keeps
+    its memory to the prices and the models made)."""
+    with priced._lock:
+        for entry in priced.stage_keys:
+            priced.cache.pop(entry, None)
+        priced.stage_keys.clear()
+
+
 def price_exactly(priced: PricedPlans, plans: list[Plan]) -> None:
     """The allocator model of ``plans``, kept for the rankings that show them."""
     _exact_in_layout_order(priced, plans, priced.hw.device_type == "cuda")

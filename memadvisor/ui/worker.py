@@ -193,8 +193,17 @@ class Simulator:
         try:
             return getattr(self, method)(*args)
         finally:
+            self.release()
             if self._after_job is not None:
                 self._after_job()
+
+    def release(self) -> None:
+        """Between jobs, keep only the prices and the models made (no layout timelines)."""
+        from ..simulate.ranking import release
+
+        for priced in list(self._priced.values()):
+            if not isinstance(priced, str):
+                release(priced)
 
 
 #: the simulators of this process by key: a forked worker finds its own here (it gets a
@@ -214,8 +223,13 @@ def _exact_part(key: int, num_gpus: int, plans: list[Plan]) -> list:
 
     priced = _SIMULATORS[key].prices(num_gpus)
     priced.helper = None  # this process does its share itself
-    price_exactly(priced, plans)
-    return [priced.exact[plan.to_compact()] for plan in plans]
+    try:
+        price_exactly(priced, plans)
+        return [priced.exact[plan.to_compact()] for plan in plans]
+    finally:
+        _SIMULATORS[key].release()
+        from . import memory
+        memory.trim()
 
 
 def _end(pool: ProcessPoolExecutor) -> None:
