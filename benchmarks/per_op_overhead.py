@@ -13,7 +13,9 @@ turns for ``--rounds`` rounds so a machine getting busier affects them alike; th
 the median per-op time over the rounds, the overhead is that minus plain's.
 
 Target (issue 16): the native engine's per-op overhead at or below torch.profiler's;
-``--check`` exits 1 when it is missed.  One thread (``torch.set_num_threads(1)``): an op this
+``--check`` exits 1 when it is missed.  Figures, and what the engine spends per op:
+docs/VALIDATION.md ("Per-op overhead").  ``MEMADVISOR_NATIVE_SRC`` (a folder holding other
+``op_tracker.cpp`` / ``allocator_hook.cpp``) measures another version of the engine.  One thread (``torch.set_num_threads(1)``): an op this
 small never uses more, and idle OpenMP workers spinning would blur the clock.
 """
 from __future__ import annotations
