@@ -198,10 +198,27 @@ def untrusted_reason(path: Path) -> str | None:
             return f"cannot check the {what} {where}: {exc.strerror or exc}"
         if uid is not None and info.st_uid not in (uid, 0):
             return f"the {what} {where} belongs to another user (uid {info.st_uid})"
-        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        writers = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if writers == stat.S_IWGRP and _private_group(info.st_gid):
+            continue  # umask 002 with a group of one's own (Debian, Ubuntu): only us
+        if writers:
             return (f"the {what} {where} is writable by others "
                     f"(mode {stat.S_IMODE(info.st_mode):o})")
     return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's own: their primary group, named after them,
+    with no other members (user private groups, where a umask of 002 is the default)."""
+    try:
+        import grp
+        import pwd
+        user = pwd.getpwuid(os.getuid())
+        group = grp.getgrgid(gid)
+    except (ImportError, KeyError, OSError):
+        return False
+    return (gid == user.pw_gid and group.gr_name == user.pw_name
+            and set(group.gr_mem) <= {user.pw_name})
 
 
 def ensure_trusted(path: Path, error: type[NativeUnavailable] = NativeUnavailable) -> None:

@@ -154,12 +154,20 @@ def test_a_library_anyone_else_could_write_is_never_loaded(tmp_path):
     with pytest.raises(native_build.NativeUnavailable, match="refusing to load"):
         attempt()
     folder.chmod(0o700)
+    # writable by its group: only where the group is the user's own (umask 002 with user
+    # private groups), never another group
+    library.chmod(0o775)
+    own_group = native_build._private_group(os.stat(library).st_gid)
+    assert (native_build.untrusted_reason(library) is None) == own_group
     if os.getuid() == 0:  # only root can give a file away
+        os.chown(library, 0, 12345)
+        assert "writable by others" in native_build.untrusted_reason(library)
         os.chown(library, 12345, 12345)
         assert "another user" in native_build.untrusted_reason(library)
         with pytest.raises(native_build.NativeUnavailable, match="another user"):
             attempt()
         os.chown(library, 0, 0)
+    library.chmod(0o755)
     assert opened == []
     attempt()
     assert opened == [library]
