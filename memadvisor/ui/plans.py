@@ -18,6 +18,7 @@ of requests.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import threading
@@ -65,6 +66,9 @@ class PlanAdvisor:
             from ..simulate import ranking, simulator  # noqa: F401
             from ..simulate import output  # noqa: F401
             from .. import verify  # noqa: F401
+            # what the server holds now is left out of the child's garbage collection,
+            # whose passes would write to (and so copy) every page of it
+            gc.freeze()
             self.worker = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("fork"),
                 initializer=_worker_started, initargs=(tuple(close_in_worker),))

@@ -6,6 +6,7 @@ fork); the server side only submits ``_job``s.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing
 import multiprocessing.util
@@ -131,6 +132,7 @@ class Simulator:
             _end(self._helping[1])
             self._helping = None
         if self._helping is None:
+            gc.freeze()  # as the server before forking this worker
             pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
                                        initializer=_worker_started, initargs=((),))
             # ended before this worker's own exit joins its children (it would wait for
