@@ -23,8 +23,8 @@ every category (9 plans: the page, not the search, is what costs).  The system C
   and after the last.
 
 Targets (issue 16, at 1M events): page usable <= 3 s; re-rank <= 2 s; click <= 0.1 s;
-RSS (and PSS) after the edits at most 10% above its start.  ``--check`` exits 1 when one is missed.  The
-load average is printed beside the figures: the machine may be shared.
+RSS (and PSS) after the edits at most 10% above its start.  ``--check`` exits 1 when one
+is missed.  The load average is printed beside the figures: the machine may be shared.
 """
 from __future__ import annotations
 
