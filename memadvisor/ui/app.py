@@ -177,6 +177,7 @@ def layout(board: Dashboard, budget_text: str = "") -> html.Div:
                  section_id="timeline-section"),
         _section("What is alive at this moment",
                  html.P(moment_caption, id="moment-caption"),
+                 dcc.Store(id="moment-key"),
                  html.Div([
                      html.Div(dcc.Graph(id="moment-breakdown", figure=moment_figure,
                                         config=GRAPH_CONFIG),
@@ -227,24 +228,24 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
         figure, caption = board.timeline_view(step, budget)
         return figure, caption, new_unit
 
-    # a click's answer comes in two: the table first (what the page waits for), the chart
-    # of bytes per category beside it
+    # a click's answer comes in two: the table (what the page waits for), then, asked once
+    # the table is there, the chart of bytes per category beside it
     @app.callback(Output("moment-caption", "children"), Output("moment-table", "rowData"),
+                  Output("moment-key", "data"),
                   Input("step", "value"), Input("timeline", "clickData"),
                   prevent_initial_call=True)
     def _moment(step, click_data):
         # a new step starts at its peak: the last click belonged to the old figure
         if dash.ctx.triggered_id == "step":
             click_data = None
-        return board.moment_table(step, click_data)
+        caption, rows = board.moment_table(step, click_data)
+        return caption, rows, {"step": step, "click": click_data}
 
-    @app.callback(Output("moment-breakdown", "figure"),
-                  Input("step", "value"), Input("timeline", "clickData"),
+    @app.callback(Output("moment-breakdown", "figure"), Input("moment-key", "data"),
                   prevent_initial_call=True)
-    def _moment_breakdown(step, click_data):
-        if dash.ctx.triggered_id == "step":
-            click_data = None
-        return board.moment_breakdown(step, click_data)
+    def _moment_breakdown(key):
+        key = key if isinstance(key, dict) else {}
+        return board.moment_breakdown(key.get("step"), key.get("click"))
 
     @app.callback(Output("sites-caption", "children"), Output("sites-table", "rowData"),
                   Output("modules", "figure"), Input("step", "value"),
