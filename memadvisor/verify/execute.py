@@ -155,6 +155,7 @@ class ChildSlots:
                 self._condition.wait()
             heapq.heappop(self._waiting)
             self._free -= 1
+            self._condition.notify_all()  # the next in line may take a core still free
         try:
             yield
         finally:

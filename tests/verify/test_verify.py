@@ -210,3 +210,25 @@ def test_a_freed_core_goes_to_the_costliest_waiting_run():
     for thread in threads:
         thread.join()
     assert started == [8.0, 4.0, 1.0]
+
+
+def test_a_run_queued_behind_a_reserved_one_starts_beside_it():
+    import threading
+    import time
+
+    from memadvisor.verify.execute import ChildSlots
+    slots = ChildSlots(2)
+    slots.reserve(("accum=8", 0), 8.0)
+    slots.reserve(("accum=4", 0), 4.0)
+    both_running = threading.Barrier(2, timeout=30)
+
+    def run(key, cost):
+        with slots.slot(cost, key):
+            both_running.wait()  # breaks (raises) unless the two hold a core at once
+
+    cheaper = threading.Thread(target=run, args=(("accum=4", 0), 4.0))
+    cheaper.start()  # waits: the costlier reserved run is first in line
+    time.sleep(0.2)
+    run(("accum=8", 0), 8.0)
+    cheaper.join()
+    slots.cancel([("accum=8", 0), ("accum=4", 0)])
