@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import UserError
-from ..plan import Environment, Plan, PlanError, environment_problems
+from ..plan import Plan, PlanError
 from .hardware import Hardware
-from .search import SEMANTIC, SearchResult, candidate_plans, rank_key
-from .simulator import (Baseline, Prediction, layout_cache_keys, layout_key, quick_simulate,
+from .search import SEMANTIC, SearchResult, candidate_plans, group_by_layout, rank_key
+from .simulator import (Baseline, Prediction, layout_cache_keys, quick_simulate,
                         simulate)
 
 
@@ -73,21 +73,9 @@ def price_plans(base: Baseline, hw: Hardware, gpus: int = 1, *, allow: set[str] 
     unknown = allow - set(SEMANTIC)
     if unknown:
         raise UserError(f"--allow takes {', '.join(SEMANTIC)}; got {', '.join(sorted(unknown))}")
-    env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
-                      fp16_supported=hw.fp16, bitsandbytes_available=True)
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
-    outcomes: list = [None] * len(plans)
-    by_layout: dict[tuple, list[int]] = {}
-    for index, plan in enumerate(plans):
-        problems = environment_problems(plan, env)
-        if problems:
-            outcomes[index] = (plan, problems[0])
-            continue
-        try:
-            by_layout.setdefault(layout_key(base, plan, hw, cache), []).append(index)
-        except PlanError as exc:
-            outcomes[index] = (plan, str(exc))
+    outcomes, by_layout = group_by_layout(base, hw, plans, cache)
     # one lifetime layout at a time, its cached timelines dropped once its last user is
     # done (as ``advise``'s fast pass: memory holds one layout)
     needs = {key: layout_cache_keys(base, plans[indices[0]], hw, cache)

@@ -111,25 +111,13 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     if not 0 <= margin < 1:
         raise UserError(f"the safety margin must be between 0 and 1, got {margin}")
     usable = int(budget_bytes * (1 - margin))
-    env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
-                      fp16_supported=hw.fp16, bitsandbytes_available=True)
     rejected: list[tuple[Plan, str]] = []
     fitting: list[Prediction] = []
     too_big: list[Prediction] = []
     started = time.process_time()
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
-    outcomes: list = [None] * len(plans)  #: per plan: its Prediction or (plan, why rejected)
-    by_layout: dict[tuple, list[int]] = {}
-    for index, plan in enumerate(plans):
-        problems = environment_problems(plan, env)
-        if problems:
-            outcomes[index] = (plan, problems[0])
-            continue
-        try:
-            by_layout.setdefault(layout_key(base, plan, hw, cache), []).append(index)
-        except PlanError as exc:
-            outcomes[index] = (plan, str(exc))
+    outcomes, by_layout = group_by_layout(base, hw, plans, cache)
     stage_keys = _fast_pass(base, hw, plans, by_layout, cache, outcomes)
     cpu_seconds = {"fast pass": time.process_time() - started}
     for outcome in outcomes:  # in candidate order, as ties in the ranking are broken
@@ -174,6 +162,27 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
                         f"on {gpus} GPU(s){need}: raise --budget, add --gpus{hint}")
     return SearchResult(ranked, rejected, too_big, len(plans), budget_bytes, usable, best,
                         cpu_seconds)
+
+
+def group_by_layout(base: Baseline, hw: Hardware, plans: list[Plan], cache: dict
+                    ) -> tuple[list, dict[tuple, list[int]]]:
+    """(outcomes, by_layout): per plan None or (plan, why this machine or the plan's layout
+    refuses it); the indexes of the others grouped by lifetime layout (plans sharing one
+    are priced from the same transformed timeline)."""
+    env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
+                      fp16_supported=hw.fp16, bitsandbytes_available=True)
+    outcomes: list = [None] * len(plans)  #: per plan: its Prediction or (plan, why rejected)
+    by_layout: dict[tuple, list[int]] = {}
+    for index, plan in enumerate(plans):
+        problems = environment_problems(plan, env)
+        if problems:
+            outcomes[index] = (plan, problems[0])
+            continue
+        try:
+            by_layout.setdefault(layout_key(base, plan, hw, cache), []).append(index)
+        except PlanError as exc:
+            outcomes[index] = (plan, str(exc))
+    return outcomes, by_layout
 
 
 def _fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
