@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import UserError
-from ..plan import Plan, PlanError
+from ..plan import Plan
 from .hardware import Hardware
-from .search import SEMANTIC, SearchResult, candidate_plans, group_by_layout, rank_key
-from .simulator import (Baseline, Prediction, layout_cache_keys, quick_simulate,
-                        simulate)
+from .search import (SEMANTIC, SearchResult, candidate_plans, fast_pass, group_by_layout,
+                     rank_key)
+from .simulator import Baseline, Prediction, layout_cache_keys, simulate
 
 
 @dataclass
@@ -76,33 +76,18 @@ def price_plans(base: Baseline, hw: Hardware, gpus: int = 1, *, allow: set[str] 
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
     outcomes, by_layout = group_by_layout(base, hw, plans, cache)
-    # one lifetime layout at a time, its cached timelines dropped once its last user is
-    # done (as ``advise``'s fast pass: memory holds one layout)
-    needs = {key: layout_cache_keys(base, plans[indices[0]], hw, cache)
-             for key, indices in by_layout.items()}
-    order = sorted(by_layout, key=lambda k: repr(needs[k]))
-    if part[1] > 1:
-        mine = _share([needs[k][0] for k in order], *part)
-        order = [k for k in order if needs[k][0] in mine]
-    users = Counter(entry for key in order for entry in needs[key])
-    for key in order:
-        bounds: dict = {}
-        for index in by_layout[key]:
-            plan = plans[index]
-            try:
-                prediction = quick_simulate(base, plan, hw, cache, bounds) or simulate(
-                    base, plan, hw, run_allocator=False, cache=cache, categories=False)
-                outcomes[index] = _without_timeline(prediction)
-            except PlanError as exc:
-                outcomes[index] = (plan, str(exc))
-        for entry in needs[key]:
-            users[entry] -= 1
-            if not users[entry]:
-                cache.pop(entry, None)
+    def mine(order: list, needs: dict) -> list:
+        if part[1] == 1:
+            return order
+        shared = _share([needs[k][0] for k in order], *part)
+        return [k for k in order if needs[k][0] in shared]
+
+    stage_keys = fast_pass(base, hw, plans, by_layout, cache, outcomes, only=mine,
+                           keep=_without_timeline)
     # the exact pass goes on with this cache (what else it holds: each plan's regions), as
     # ``advise``'s does
     return PricedPlans(base, hw, gpus, frozenset(allow), objective, expandable_segments, plans,
-                       outcomes, cache=cache, stage_keys=set(users))
+                       outcomes, cache=cache, stage_keys=stage_keys)
 
 
 def _share(stages: list, index: int, count: int) -> set:

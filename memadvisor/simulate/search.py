@@ -4,7 +4,7 @@ Plans are every combination of the knobs below that ``plan.Plan`` accepts and th
 hardware can run.  Techniques that change training semantics (``bf16``, an optimizer
 swap) are enumerated only when allowed.  Every candidate gets the fast pass (peak of
 requested bytes from its lifetime layout's bounds, ``bounds.LayoutBounds``; the layouts one
-at a time, ``_fast_pass``, so memory holds one of them); the allocator model (reserved
+at a time, ``fast_pass``, so memory holds one of them); the allocator model (reserved
 memory) runs for every plan shown (the best ``top`` that fit).  A plan fits when its
 reserved (or, without an allocator, peak) bytes are at most ``budget * (1 - margin)``.
 """
@@ -118,7 +118,7 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
     outcomes, by_layout = group_by_layout(base, hw, plans, cache)
-    stage_keys = _fast_pass(base, hw, plans, by_layout, cache, outcomes)
+    stage_keys = fast_pass(base, hw, plans, by_layout, cache, outcomes)
     cpu_seconds = {"fast pass": time.process_time() - started}
     for outcome in outcomes:  # in candidate order, as ties in the ranking are broken
         if isinstance(outcome, tuple):
@@ -185,24 +185,30 @@ def group_by_layout(base: Baseline, hw: Hardware, plans: list[Plan], cache: dict
     return outcomes, by_layout
 
 
-def _fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
-               cache: dict, outcomes: list) -> set:
+def fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
+              cache: dict, outcomes: list, *, only=None, keep=None) -> set:
     """Every plan's peak from its layout's bounds (``quick_simulate``; a replay where the
     bounds cannot express it), one lifetime layout at a time: a layout's bounds are dropped
     once its plans are priced, and the timelines of steps 0-3 in ``cache`` once the last
     layout built on them is done (layouts sharing them run in a row), so memory holds one
     layout, not all of them.  The figures do not depend on the order.  Returns the keys of
-    every such ``cache`` entry."""
+    every such ``cache`` entry.  ``only(order, needs)``: the layouts to price, of those in
+    running order (the dashboard's worker shares them among processes); ``keep``: what
+    of each prediction to keep (default all of it)."""
     needs = {key: layout_cache_keys(base, plans[indices[0]], hw, cache)
              for key, indices in by_layout.items()}
-    users = Counter(entry for entries in needs.values() for entry in entries)
-    for key in sorted(by_layout, key=lambda k: repr(needs[k])):
+    order = sorted(by_layout, key=lambda k: repr(needs[k]))
+    if only is not None:
+        order = only(order, needs)
+    users = Counter(entry for key in order for entry in needs[key])
+    for key in order:
         bounds: dict = {}
         for index in by_layout[key]:
             plan = plans[index]
             try:
-                outcomes[index] = quick_simulate(base, plan, hw, cache, bounds) or simulate(
+                prediction = quick_simulate(base, plan, hw, cache, bounds) or simulate(
                     base, plan, hw, run_allocator=False, cache=cache, categories=False)
+                outcomes[index] = keep(prediction) if keep else prediction
             except PlanError as exc:
                 outcomes[index] = (plan, str(exc))
         for entry in needs[key]:
@@ -216,7 +222,7 @@ def _in_layout_order(base: Baseline, hw: Hardware, plans: list[Plan], cache: dic
                      entries: set, work) -> list:
     """``[work(plan) for plan in plans]``, run with the plans that share the cached timelines
     of steps 0-3 in a row and only those timelines kept in ``cache`` (``entries``: every such
-    key ``_fast_pass`` knows)."""
+    key ``fast_pass`` knows)."""
     keys = [layout_cache_keys(base, plan, hw, cache) for plan in plans]
     results: list = [None] * len(plans)
     for index in sorted(range(len(plans)), key=lambda i: repr(keys[i])):
