@@ -23,6 +23,7 @@ from pathlib import Path
 from ..fake.placeholders import DataDependentLoop
 from ..fake.runtime import fake_execution
 from .gradient_accumulation import InPlaceAccumulation
+from .attention_workspace import EfficientAttentionWorkspace
 from .kernel_memory import CublasWorkspaces, KeptLossStorage
 from .recorder import EventRecorder, _DEVICE, _SIZE
 from .runner import ProfileResult, profile_script
@@ -109,7 +110,7 @@ class FakeProfile:
     def attach(self, session) -> None:
         rules = [self.accumulation, KeptLossStorage()]
         if self.workspaces is not None:
-            rules.append(self.workspaces)
+            rules += [self.workspaces, EfficientAttentionWorkspace()]
         for rule in rules:
             rule.attach(session)
 

@@ -1,0 +1,51 @@
+"""The memory-efficient attention backward's dQ workspace under fake execution
+(memadvisor/profile/attention_workspace.py), against sizes an H100 allocated."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from memadvisor.profile.attention_workspace import WORKSPACE_OP, workspace_bytes
+from memadvisor.trace.io import read_trace
+
+from .test_profile_fake import _profile
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler")
+
+
+@pytest.mark.parametrize("shape, measured_bytes", [
+    ((128, 4, 1024, 16), 134_348_800),  # zoo/llama_decoder.py --batch-size 128 --seq-len 1024
+    ((64, 6, 197, 64), 25_190_400),  # examples/vit_classifier.py at 224 px, patch 16
+])
+def test_the_rule_gives_what_an_h100_allocated(shape, measured_bytes):
+    assert workspace_bytes(*shape) == measured_bytes
+
+
+SCRIPT = """\
+import torch
+import torch.nn.functional as F
+q = torch.randn(2, 3, 100, 32, device="cuda", requires_grad=True)
+k = torch.randn(2, 3, 100, 32, device="cuda", requires_grad=True)
+v = torch.randn(2, 3, 100, 32, device="cuda", requires_grad=True)
+opt = torch.optim.SGD([q, k, v], lr=0.1)
+for _ in range(2):
+    F.scaled_dot_product_attention(q, k, v).sum().backward()  # fp32: the efficient kernel
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_each_efficient_backward_adds_its_transient_workspace(tmp_path):
+    script = tmp_path / "attn.py"
+    script.write_text(SCRIPT)
+    proc, trace_path = _profile(tmp_path, script, "--gpu", "h100-80gb", "--steps", "0")
+    assert proc.returncode == 0, proc.stderr
+    events = read_trace(trace_path).events
+    rows = events[events["op"] == WORKSPACE_OP]
+    allocs = rows[rows["action"] == "alloc"]
+    assert len(allocs) == 2 and set(allocs["phase"]) == {"backward"}
+    assert set(allocs["size_bytes"]) == {workspace_bytes(2, 3, 100, 32)}
+    assert set(allocs["category"]) == {"temporary"}
+    assert (rows["action"] == "free").sum() == 2  # freed at the kernel's end
