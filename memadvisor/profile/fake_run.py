@@ -22,9 +22,10 @@ from pathlib import Path
 
 from ..fake.placeholders import DataDependentLoop
 from ..fake.runtime import fake_execution
-from .gradient_accumulation import InPlaceAccumulation
 from .attention_workspace import EfficientAttentionWorkspace
+from .gradient_accumulation import InPlaceAccumulation
 from .kernel_memory import CublasWorkspaces, KeptLossStorage
+from .reduction_buffers import ReductionBuffers
 from .recorder import EventRecorder, _DEVICE, _SIZE
 from .runner import ProfileResult, profile_script
 
@@ -91,10 +92,13 @@ class DeviceBytesRecorder(EventRecorder):
 class FakeProfile:
     """The profiler's extension for fake execution (``runner.profile_script``)."""
 
-    def __init__(self, run, recorder: DeviceBytesRecorder, workspaces: CublasWorkspaces | None):
+    def __init__(self, run, recorder: DeviceBytesRecorder, workspaces: CublasWorkspaces | None,
+                 kernel_rules: tuple = ()):
         self.run = run
         self.recorder = recorder
         self.workspaces = workspaces
+        #: more memory GPU kernels take that is no tensor (attention, reduction buffers)
+        self.kernel_rules = list(kernel_rules)
         self.accumulation = InPlaceAccumulation()
 
     def output_path(self, output) -> Path:
@@ -110,7 +114,8 @@ class FakeProfile:
     def attach(self, session) -> None:
         rules = [self.accumulation, KeptLossStorage()]
         if self.workspaces is not None:
-            rules += [self.workspaces, EfficientAttentionWorkspace()]
+            rules.append(self.workspaces)
+        rules += self.kernel_rules
         for rule in rules:
             rule.attach(session)
 
@@ -192,11 +197,14 @@ def profile_fake_script(script: str | os.PathLike, args: list[str], output: str 
     recorder = DeviceBytesRecorder()
     profile = gpu_profile(gpu) if gpu is not None else None
     workspaces = None
+    kernel_rules: tuple = ()
     if profile is not None:
         workspaces = CublasWorkspaces(profile.capability,
                                       os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        kernel_rules = (EfficientAttentionWorkspace(),
+                        ReductionBuffers(profile.multi_processor_count, profile.capability))
     with fake_execution(gpu, num_ranks, rank, memory_stats=recorder) as run:
-        extension = FakeProfile(run, recorder, workspaces)
+        extension = FakeProfile(run, recorder, workspaces, kernel_rules)
         return profile_script(script, args, output, steps=steps, timeout_s=timeout_s,
                               step_boundary=step_boundary, on_step=on_step,
                               extension=extension)
