@@ -172,7 +172,7 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
     loaded = _load_shim(nproc) if profile is not None else shim_module.loaded()
     import torch  # after the shim: torch's import resolves the CUDA hooks
 
-    from . import cuda_stubs, distributed, fused_kernels, initializers, modules, sdpa
+    from . import cuda_stubs, cudnn_rnn, distributed, fused_kernels, initializers, modules, sdpa
     from .memory import LiveFakeBytes
     from .mode import SimulatedGpuMode
 
@@ -190,6 +190,7 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
         if profile is not None:
             # SDPA's kernel as the target picks it (the CPU build has no CUDA chooser)
             undo.append(sdpa.install(profile.capability))
+            undo.append(cudnn_rnn.install(profile.multi_processor_count))  # RNNs: cuDNN
             undo.append(fused_kernels.install())
         undo.append(modules.install())
         undo.append(initializers.install())
