@@ -8,9 +8,16 @@
    raise :class:`FakeOpUnsupported` naming the op, instead of an internal exception or
    FakeTensorMode's attempt to run a real kernel on invented data.
 
+4. A small real CPU tensor copied to the GPU keeps its values for the way back: its
+   ``.cpu()`` is the real tensor again, as on a GPU (sequence lengths and sort orders make
+   that round trip: ``pack_padded_sequence`` / ``pad_packed_sequence`` index with them).
+   Any other fake tensor copied to the CPU is a fake CPU tensor, never invented values.
+
 Every fake CUDA tensor an op returns has its storage counted by ``memory.LiveFakeBytes``.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import (_DISPATCH_META_HANDLERS,
@@ -37,6 +44,11 @@ class FakeOpUnsupported(RuntimeError):
                          f"(torch.library.register_fake) to be profiled without a GPU")
 
 
+def _is_small_real_cpu(value) -> bool:
+    return (isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor)
+            and value.device.type == "cpu" and value.numel() <= real_cpu.REAL_ELEMENTS_LIMIT)
+
+
 def _op_name(func) -> str:
     name = getattr(func, "name", None)
     return name() if callable(name) else str(func)
@@ -55,6 +67,10 @@ class SimulatedGpuMode(FakeTensorMode):
         self.placeholder_log = placeholder_log or placeholders.PlaceholderLog()
         #: small CPU tensors computed for real (``real_cpu.py``): on a simulated GPU
         self.real_cpu = real_cpu
+        #: id(fake copy on the GPU) -> (weak reference to it, the small real CPU tensor it
+        #: was copied from) (4. above); keyed by id: tensors compare elementwise, so a
+        #: WeakKeyDictionary cannot hold them
+        self._host_values: dict[int, tuple] = {}
 
     def __deepcopy__(self, memo):
         # a fake tensor keeps its mode in its __dict__, which Tensor.__deepcopy__ copies:
@@ -87,6 +103,10 @@ class SimulatedGpuMode(FakeTensorMode):
             return super().dispatch(_aten.clone.default, types, (args[0],), {})
         if func is _aten.is_pinned.default:
             return False
+        if func is _aten._to_copy.default and args:
+            copied = self._host_round_trip(args[0], kwargs)
+            if copied is not None:
+                return copied
         if self.real_cpu and real_cpu.runs_for_real(func, args, kwargs, _VALUE_READS):
             return func(*args, **kwargs)  # this mode is off inside its own dispatch
         handler = packed.HANDLERS.get(func)
@@ -121,7 +141,26 @@ class SimulatedGpuMode(FakeTensorMode):
                                         placeholders.script_location()) from None
             raise
         self._track(out)
+        if func is _aten._to_copy.default and isinstance(out, FakeTensor) \
+                and _is_small_real_cpu(args[0]):
+            key = id(out)
+            forget = self._host_values.pop
+            self._host_values[key] = (weakref.ref(out, lambda _ref: forget(key, None)),
+                                      args[0].clone())
         return out
+
+    def _host_round_trip(self, source, kwargs):
+        """A fake tensor's copy to the CPU (None: not that op): the real values it was
+        made from, or a fake CPU tensor."""
+        device = kwargs.get("device")
+        if not isinstance(source, FakeTensor) or device is None \
+                or torch.device(device).type != "cpu" or source.device.type == "cpu":
+            return None
+        dtype = kwargs.get("dtype") or source.dtype
+        entry = self._host_values.get(id(source))
+        if entry is not None and entry[0]() is source and entry[1].shape == source.shape:
+            return entry[1].to(dtype=dtype, copy=True)
+        return self._empty(source.shape, dtype, torch.device("cpu"))
 
     def _empty(self, shape, dtype, device):
         return super().dispatch(_aten.empty.memory_format, (), (list(shape),),
