@@ -13,6 +13,13 @@ real kernel has: flash saves the output and a (B, H, L) fp32 logsumexp; memory-e
 a logsumexp padded to 32 rows.
 
 Rules, per the source (checked against torch 2.6-2.13's sdp_utils):
+- cuDNN attention first, where torch prefers it (``check_prefer_cudnn_attention``: an sm90
+  or sm100 part, minor 0, cuDNN >= 9.9 as torch >= 2.11's CUDA wheels ship, unless
+  ``TORCH_CUDNN_SDPA_PREFERRED=0``): fp16/bf16, head dim a multiple of 8 and <= 128, as
+  many key/value heads as query heads.  Seen on an H100 with torch 2.11 (2026-11-25): a
+  bf16 ViT's attention ran ``_cudnn_attention_backward``.  It keeps what flash keeps
+  (output and fp32 logsumexp); its backward's workspace is added by
+  ``profile/attention_workspace.py``;
 - flash: compute capability >= 8.0, fp16/bf16, head dim <= 256 and a multiple of 8, no
   ``attn_mask`` (``is_causal`` is fine), q/k/v of one dtype, 4-D inputs;
 - memory-efficient: capability >= 5.0, fp32/fp16/bf16 (bf16 from 8.0), head dim a multiple
@@ -28,16 +35,36 @@ from .patching import Patches
 FLASH_MAX_HEAD_DIM = 256
 
 
+CUDNN_MAX_HEAD_DIM = 128
+#: the first torch whose CUDA wheels were seen preferring cuDNN attention on an H100
+CUDNN_PREFERRED_SINCE = (2, 11)
+
+
+def prefers_cudnn(capability: tuple[int, int], environ=None) -> bool:
+    """Whether torch's SDPA puts cuDNN attention first on this GPU."""
+    import os
+
+    import torch
+    environ = os.environ if environ is None else environ
+    if environ.get("TORCH_CUDNN_SDPA_PREFERRED", "1").lower() in ("0", "false", "off"):
+        return False
+    if environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED"):
+        return False
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return version >= CUDNN_PREFERRED_SINCE and capability in ((9, 0), (10, 0))
+
+
 def install(capability: tuple[int, int]) -> Patches:
     import torch
     import torch.nn.functional as F
 
     original = F.scaled_dot_product_attention
     patches = Patches()
+    cudnn_first = prefers_cudnn(capability)
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                      is_causal=False, scale=None, enable_gqa=False):
-        backend = choose_backend(query, key, value, attn_mask, capability)
+        backend = choose_backend(query, key, value, attn_mask, capability, cudnn_first)
         if backend == "math":
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -52,9 +79,14 @@ def install(capability: tuple[int, int]) -> Patches:
             t.requires_grad for t in (query, key, value))
         bias = attn_mask
         if bias is not None and bias.dtype == torch.bool:
-            # the efficient kernel takes an additive bias: what SDPA converts a mask to
+            # the efficient and cuDNN kernels take an additive bias: what SDPA converts a
+            # mask to
             bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device) \
                 .masked_fill(bias.logical_not(), float("-inf"))
+        if backend == "cudnn":
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                query, key, value, bias, needs_grad, dropout_p, is_causal, False,
+                scale=scale)[0]
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, needs_grad, dropout_p, is_causal, scale=scale)[0]
 
@@ -64,8 +96,10 @@ def install(capability: tuple[int, int]) -> Patches:
     return patches
 
 
-def choose_backend(query, key, value, attn_mask, capability: tuple[int, int]) -> str:
-    """'flash', 'efficient' or 'math' for these inputs on a GPU of ``capability``."""
+def choose_backend(query, key, value, attn_mask, capability: tuple[int, int],
+                   cudnn_first: bool = False) -> str:
+    """'cudnn', 'flash', 'efficient' or 'math' for these inputs on a GPU of
+    ``capability`` (``cudnn_first``: :func:`prefers_cudnn`)."""
     import torch
     if query.device.type != "cuda" or query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "math"
@@ -75,6 +109,10 @@ def choose_backend(query, key, value, attn_mask, capability: tuple[int, int]) ->
     if value.shape[-1] != head_dim:
         return "math"
     sixteen_bit = query.dtype in (torch.float16, torch.bfloat16)
+    if (cudnn_first and torch.backends.cuda.cudnn_sdp_enabled() and sixteen_bit
+            and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM
+            and key.shape[-3] == query.shape[-3] == value.shape[-3]):
+        return "cudnn"
     if (torch.backends.cuda.flash_sdp_enabled() and capability >= (8, 0) and sixteen_bit
             and attn_mask is None and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0):
         return "flash"

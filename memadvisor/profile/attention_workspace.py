@@ -18,6 +18,12 @@ one flash or cuDNN runs) accumulate dQ in fp32 the same way; not measured.  Smal
 heads can make the kernel split keys across blocks (num_splits_key > 1), multiplying the
 dK/dV term; not measured either.  Where the reserved memory of a step peaks in attention
 backward, leaving this out under-predicted it by 6% (the Llama decoder).
+
+cuDNN attention's backward (where torch prefers it: fake/sdpa.py) takes a workspace too;
+one measurement, a bf16 ViT on the H100, q (64, 6, 197, 64): 19,668,992 B per call, which
+is a (B, H, L, D) fp32 dQ accumulator plus a (B, H, L) fp32 row statistic (19,668,480 B)
+and 512 B more; that is the rule used (cuDNN sizes its workspace from its execution plan,
+so other shapes may differ).
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ from .recorder import _SID
 #: the op fake execution dispatches (memadvisor/fake/sdpa.py calls the SDPA-level op)
 BACKWARD_OPS = frozenset({"aten::_scaled_dot_product_efficient_attention_backward",
                           "aten::_efficient_attention_backward"})
+CUDNN_BACKWARD_OPS = frozenset({"aten::_scaled_dot_product_cudnn_attention_backward",
+                                "aten::_cudnn_attention_backward"})
+CUDNN_EXTRA_BYTES = 512  #: measured beyond the two fp32 accumulators
 WORKSPACE_OP = "efficient_attention_workspace"
 TILE_ROWS = 64  #: kBlockSizeI: query rows per tile
 TILE_COLS = 64  #: MatmulGradQ's ThreadblockShape::kN: head-dim columns per tile
@@ -49,6 +58,11 @@ def workspace_bytes(batch: int, heads: int, query_len: int, head_dim: int,
     return batch * heads * per_head
 
 
+def cudnn_workspace_bytes(batch: int, heads: int, query_len: int, head_dim: int) -> int:
+    """Bytes of cuDNN attention's backward workspace (one H100 measurement, above)."""
+    return batch * heads * query_len * (head_dim + 1) * 4 + CUDNN_EXTRA_BYTES
+
+
 class EfficientAttentionWorkspace:
     """Adds the workspace as a transient 'temporary' block after each efficient-attention
     backward on a CUDA device (allocated after the gradients, freed at the kernel's end)."""
@@ -61,17 +75,22 @@ class EfficientAttentionWorkspace:
         self._session = session
 
     def after_op(self, op_name: str, args, out) -> None:
-        if op_name not in BACKWARD_OPS or len(args) < 2:
+        cudnn = op_name in CUDNN_BACKWARD_OPS
+        if not (cudnn or op_name in BACKWARD_OPS) or len(args) < 2:
             return
         query = args[1]  # (grad_out, query, key, value, attn_bias, out, lse, seed, offset, p)
         if not isinstance(query, torch.Tensor) or query.device.type != "cuda" \
                 or query.dim() != 4:
             return
         batch, heads, query_len, head_dim = query.shape
-        bias = args[4] if len(args) > 4 else None
-        dropout_p = args[9] if len(args) > 9 and isinstance(args[9], float) else 0.0
-        size = workspace_bytes(int(batch), int(heads), int(query_len), int(head_dim),
-                               bias_or_dropout=bias is not None or dropout_p > 0)
+        if cudnn:
+            size = cudnn_workspace_bytes(int(batch), int(heads), int(query_len),
+                                         int(head_dim))
+        else:
+            bias = args[4] if len(args) > 4 else None
+            dropout_p = args[9] if len(args) > 9 and isinstance(args[9], float) else 0.0
+            size = workspace_bytes(int(batch), int(heads), int(query_len), int(head_dim),
+                                   bias_or_dropout=bias is not None or dropout_p > 0)
         recorder = self._session.recorder
         row = recorder.internal_alloc(size, f"cuda:{query.device.index or 0}", WORKSPACE_OP,
                                       self._session.locator.locate(3))

@@ -54,3 +54,45 @@ def test_each_efficient_backward_adds_its_transient_workspace(tmp_path):
     assert set(allocs["size_bytes"]) == {workspace_bytes(2, 3, 100, 32)}
     assert set(allocs["category"]) == {"temporary"}
     assert (rows["action"] == "free").sum() == 2  # freed at the kernel's end
+
+
+def test_cudnn_attention_backward_workspace_is_the_h100_measurement():
+    from memadvisor.profile.attention_workspace import cudnn_workspace_bytes
+    assert cudnn_workspace_bytes(64, 6, 197, 64) == 19_668_992  # bf16 ViT, torch 2.11
+
+
+def test_torch_prefers_cudnn_attention_on_hopper_only(monkeypatch):
+    from memadvisor.fake.sdpa import prefers_cudnn
+    assert prefers_cudnn((9, 0), environ={})
+    assert prefers_cudnn((10, 0), environ={})
+    assert not prefers_cudnn((8, 0), environ={}) and not prefers_cudnn((8, 9), environ={})
+    assert not prefers_cudnn((9, 0), environ={"TORCH_CUDNN_SDPA_PREFERRED": "0"})
+
+
+BF16_SCRIPT = """\
+import torch
+import torch.nn.functional as F
+q = torch.randn(2, 3, 100, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+opt = torch.optim.SGD([q], lr=0.1)
+for _ in range(2):
+    F.scaled_dot_product_attention(q, q, q).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("gpu, op", [("h100-80gb", "aten::_scaled_dot_product_cudnn_attention"),
+                                     ("a100-80gb", "aten::_scaled_dot_product_flash_attention")])
+def test_bf16_attention_runs_the_kernel_torch_prefers_there(gpu, op, tmp_path):
+    from memadvisor.profile.attention_workspace import cudnn_workspace_bytes
+    script = tmp_path / "attn_bf16.py"
+    script.write_text(BF16_SCRIPT)
+    proc, trace_path = _profile(tmp_path, script, "--gpu", gpu, "--steps", "0")
+    assert proc.returncode == 0, proc.stderr
+    events = read_trace(trace_path).events
+    assert op in set(events["op"])
+    workspaces = events[(events["op"] == WORKSPACE_OP) & (events["action"] == "alloc")]
+    if "cudnn" in op:
+        assert set(workspaces["size_bytes"]) == {cudnn_workspace_bytes(2, 3, 100, 32)}
+    else:
+        assert workspaces.empty  # flash's own workspace is not modelled (not measured)
