@@ -9,15 +9,16 @@ only.  Measured on an H100 (torch 2.11, 2026-11-25; fp32 inputs, sm90):
     Llama-style decoder, q (128, 4, 1024, 16): 134,348,800 B = 512 x 16 x 1 x 16,400 B
     ViT, q (64, 6, 197, 64):                    25,190,400 B = 384 x  4 x 1 x 16,400 B
 
-both exactly the rule.  With an attention bias and dropout (nn.Transformer in training,
-q (64, 8, L <= 64, 64)) the kernel also accumulated one of dK/dV in fp32: 16,785,408 B =
-512 x (16,400 + 64 x 64 x 4) B, again exact; which of the two (bias or dropout) selects
-that kernel was not separated, so either adds the term (an over-estimate if only one
-does).  fp16/bf16 inputs (the efficient kernel takes them with an attention mask; without
-one flash or cuDNN runs) accumulate dQ in fp32 the same way; not measured.  Small batch x
-heads can make the kernel split keys across blocks (num_splits_key > 1), multiplying the
-dK/dV term; not measured either.  Where the reserved memory of a step peaks in attention
-backward, leaving this out under-predicted it by 6% (the Llama decoder).
+both exactly the rule.  With dropout (nn.Transformer in training, with its key padding
+mask: q (64, 8, L <= 64, 64)) the kernel also accumulated dK/dV in fp32: 16,785,408 B =
+512 x (16,400 + 64 x 64 x 4) B.  With a mask and no dropout (zoo/moe.py's causal
+nn.MultiheadAttention, 16 batch x heads): 262,656 B = 16 x (16,400 + 16) B.  The rule
+takes both as measured (dropout: the dK/dV term; a bias without dropout: 16 B per batch x
+head), one measurement each.  fp16/bf16 inputs (the efficient kernel takes them with an
+attention mask; without one flash or cuDNN runs) accumulate dQ in fp32 the same way; not
+measured.  Small batch x heads can make the kernel split keys across blocks
+(num_splits_key > 1), multiplying the dK/dV term; not measured either.  Where the
+reserved memory of a step peaks in attention backward, leaving this out under-predicted it by 6% (the Llama decoder).
 
 cuDNN attention's backward (where torch prefers it: fake/sdpa.py) takes a workspace too;
 one measurement, a bf16 ViT on the H100, q (64, 6, 197, 64): 19,668,992 B per call, which
@@ -47,14 +48,19 @@ TILE_HEADER_BYTES = 16  #: GradQTempStorage's lock, counter and padding
 KEY_BLOCK = 64  #: kBlockSizeJ: keys per block (the dK/dV accumulator's rows)
 
 
+BIAS_EXTRA_BYTES = 16  #: per batch x head, with a bias and no dropout (measured once)
+
+
 def workspace_bytes(batch: int, heads: int, query_len: int, head_dim: int,
-                    bias_or_dropout: bool = False) -> int:
-    """Bytes of the dQ (and, with a bias or dropout, dK/dV) accumulation workspace for a
-    query of (batch, heads, L, D)."""
+                    bias: bool = False, dropout: bool = False) -> int:
+    """Bytes of the dQ (and, with dropout, dK/dV) accumulation workspace for a query of
+    (batch, heads, L, D)."""
     tiles = -(-query_len // TILE_ROWS) * -(-head_dim // TILE_COLS)
     per_head = tiles * (TILE_HEADER_BYTES + TILE_ROWS * TILE_COLS * 4)
-    if bias_or_dropout:
+    if dropout:
         per_head += KEY_BLOCK * -(-head_dim // TILE_ROWS) * TILE_ROWS * 4
+    elif bias:
+        per_head += BIAS_EXTRA_BYTES
     return batch * heads * per_head
 
 
@@ -90,7 +96,7 @@ class EfficientAttentionWorkspace:
             bias = args[4] if len(args) > 4 else None
             dropout_p = args[9] if len(args) > 9 and isinstance(args[9], float) else 0.0
             size = workspace_bytes(int(batch), int(heads), int(query_len), int(head_dim),
-                                   bias_or_dropout=bias is not None or dropout_p > 0)
+                                   bias=bias is not None, dropout=dropout_p > 0)
         recorder = self._session.recorder
         row = recorder.internal_alloc(size, f"cuda:{query.device.index or 0}", WORKSPACE_OP,
                                       self._session.locator.locate(3))

@@ -23,9 +23,14 @@ def test_the_rule_gives_what_an_h100_allocated(shape, measured_bytes):
     assert workspace_bytes(*shape) == measured_bytes
 
 
-def test_with_a_mask_and_dropout_a_key_gradient_accumulates_too():
+def test_with_dropout_a_key_gradient_accumulates_too():
     # zoo/seq2seq_transformer.py --batch-size 64 --emb-size 512: 8 heads of 64, L <= 64
-    assert workspace_bytes(64, 8, 40, 64, bias_or_dropout=True) == 16_785_408
+    assert workspace_bytes(64, 8, 40, 64, bias=True, dropout=True) == 16_785_408
+
+
+def test_a_mask_alone_adds_sixteen_bytes_per_head():
+    # zoo/moe.py: causal nn.MultiheadAttention, 16 batch x heads, one tile each
+    assert workspace_bytes(8, 2, 32, 64, bias=True) == 262_656
 
 
 SCRIPT = """\
