@@ -320,6 +320,15 @@ def _codes(column: pd.Series) -> tuple[np.ndarray, list[str]]:
     return codes.astype(np.int32), [str(u) for u in uniques]
 
 
+def _per_id(row_flags: np.ndarray, inverse: np.ndarray, n_ids: int,
+            alloc_at: np.ndarray) -> np.ndarray:
+    """A per-row flag read at each storage id's alloc row (False where it has none)."""
+    flags = np.zeros(n_ids, bool)
+    has = alloc_at >= 0
+    flags[has] = row_flags[alloc_at[has]]
+    return flags
+
+
 def build_timeline(trace: Trace, step: int | None = None) -> Timeline:
     """The analysed step (default: the last complete one) of ``trace`` as a Timeline."""
     events = trace.events
@@ -342,6 +351,13 @@ def build_timeline(trace: Trace, step: int | None = None) -> Timeline:
     free_at[inverse[free_idx][::-1]] = free_idx[::-1]
     has_alloc = alloc_at >= 0
     alive = has_alloc & (alloc_at < stop) & (free_at >= start)
+    device = str(trace.meta.device)
+    if device.startswith("cuda"):
+        # a GPU's peak holds its own blocks only: host tensors (a DataLoader's batches,
+        # pinned buffers, offloaded activations) live on the CPU
+        on_device = (events["device"] == device).to_numpy()
+        if on_device.any():  # (a trace naming no such rows is left whole)
+            alive &= _per_id(on_device, inverse, len(ids), alloc_at)
     rows = np.flatnonzero(alive)
     row_alloc = alloc_at[rows]
 
