@@ -14,12 +14,33 @@ from .io import Trace
 
 def counted_bytes(events: pd.DataFrame) -> np.ndarray:
     """Bytes each row counts toward live memory: the allocator's block where one said
-    (a CUDA trace: what ``max_memory_allocated`` counts), else the storage's bytes."""
+    (a CUDA trace: what ``max_memory_allocated`` counts), else the storage's bytes.  In a
+    trace with GPU rows, host rows count nothing: a GPU's peak is its own memory, and a
+    DataLoader's batches, pinned buffers or offloaded activations are not in it."""
     sizes = events["size_bytes"].to_numpy(dtype=np.int64)
-    if "block_bytes" not in events:
-        return sizes
-    blocks = events["block_bytes"].to_numpy(dtype=np.int64)
-    return np.where(blocks > 0, blocks, sizes)
+    if "block_bytes" in events:
+        blocks = events["block_bytes"].to_numpy(dtype=np.int64)
+        sizes = np.where(blocks > 0, blocks, sizes)
+    on_gpu = _gpu_rows(events)
+    return sizes if on_gpu is None else np.where(on_gpu, sizes, 0)
+
+
+def _gpu_rows(events: pd.DataFrame) -> np.ndarray | None:
+    """Which rows are on a GPU; None when none is (a CPU trace counts every row)."""
+    if "device" not in events or not len(events):
+        return None
+    devices = events["device"]
+    if isinstance(devices.dtype, pd.CategoricalDtype):
+        # per category, then by code: no string work per row (traces have millions)
+        gpu = np.array([str(name).startswith("cuda") for name in devices.cat.categories])
+        if not gpu.any():
+            return None
+        codes = devices.cat.codes.to_numpy()
+        return np.where(codes >= 0, gpu[np.maximum(codes, 0)], False)
+    names = pd.unique(devices)
+    if not any(str(name).startswith("cuda") for name in names):
+        return None
+    return devices.astype(str).str.startswith("cuda").to_numpy()
 
 
 def signed_sizes(events: pd.DataFrame) -> np.ndarray:
@@ -29,7 +50,8 @@ def signed_sizes(events: pd.DataFrame) -> np.ndarray:
 
 
 def live_bytes(events: pd.DataFrame) -> np.ndarray:
-    """Live bytes just after each event (all devices together)."""
+    """Live bytes just after each event (the GPUs' own in a GPU trace, see
+    :func:`counted_bytes`)."""
     return np.cumsum(signed_sizes(events)) if len(events) else np.zeros(0, dtype=np.int64)
 
 

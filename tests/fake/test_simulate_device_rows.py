@@ -46,3 +46,16 @@ def test_host_tensors_are_not_on_the_gpus_peak(tmp_path):
     predicted = json.loads(result.stdout)["allocated_bytes"]
     assert executed < 2**28  # the GPU holds well under 256 MiB ...
     assert abs(predicted - executed) / executed < 0.01  # ... and so does the prediction (was 2.2 GB)
+
+
+def test_the_summarys_peak_is_the_gpus(tmp_path):
+    script = tmp_path / "host.py"
+    script.write_text(SCRIPT)
+    proc, trace = _profile(tmp_path, script, "--gpu", "h100-80gb", "--steps", "0")
+    assert proc.returncode == 0, proc.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "memadvisor.cli", "summary", str(trace), "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(CHECKOUT)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["peak_bytes"] < 2**28  # not the 1 GiB host tensor
