@@ -151,6 +151,24 @@ def _real_tensors_copy_as_real():
     return patches
 
 
+def _fake_scalars_format():
+    """``f"{loss:.4f}"`` on a one-value fake tensor formats its value (a placeholder, read
+    through ``item`` and logged like any value read), as Tensor.__format__ does for a plain
+    tensor; for a subclass torch falls back to ``object.__format__``, which refuses a format
+    spec (a TypeError in the script's log line)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from .patching import Patches
+    patches = Patches()
+
+    def __format__(self, format_spec):
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
+    patches.set(FakeTensor, "__format__", __format__)
+    return patches
+
+
 @contextlib.contextmanager
 def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0, *,
                    memory_stats=None) -> Iterator[FakeRun]:
@@ -197,6 +215,7 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
         undo.append(_track_storage_resizes(run.live_bytes))
         undo.append(_real_data_workers())
         undo.append(_real_tensors_copy_as_real())
+        undo.append(_fake_scalars_format())
         undo.append(distributed.EnvironmentPatch(
             distributed.torchrun_environment(rank, nproc)))
         undo.append(distributed.install(rank, nproc))

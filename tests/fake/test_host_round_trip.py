@@ -21,6 +21,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 order = torch.tensor([2, 0, 1]).cuda()
 print("ROUND", order.cpu().tolist(), is_fake(order.cpu()))
 print("OTHER", is_fake(torch.empty(3, dtype=torch.long, device="cuda").cpu()))
+sample = torch.randn(16, 8, device="cuda")
+print(f"MEAN {sample.mean():.4f} {sample.cpu().mean():.2f}")  # zoo/vae.py's log line
 lengths = torch.tensor([3, 5, 2, 4])
 gru = torch.nn.GRU(8, 16, batch_first=True).cuda()
 opt = torch.optim.SGD(gru.parameters(), lr=0.1)
@@ -42,4 +44,6 @@ def test_values_come_back_and_nothing_is_invented(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "ROUND [2, 0, 1] False" in proc.stdout
     assert "OTHER True" in proc.stdout  # a fake CPU tensor, not uninitialised memory
+    # a formatted one-value fake tensor prints its placeholder value (was a TypeError)
+    assert "MEAN 1.0000 1.00" in proc.stdout
     assert proc.stdout.count("PADDED (4, 5, 16)") == 2
