@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 
 from ..trace import schema
-from .recorder import _SID
 
 #: the op fake execution dispatches (memadvisor/fake/sdpa.py calls the SDPA-level op)
 BACKWARD_OPS = frozenset({"aten::_scaled_dot_product_efficient_attention_backward",
@@ -97,9 +96,7 @@ class EfficientAttentionWorkspace:
             dropout_p = args[9] if len(args) > 9 and isinstance(args[9], float) else 0.0
             size = workspace_bytes(int(batch), int(heads), int(query_len), int(head_dim),
                                    bias=bias is not None, dropout=dropout_p > 0)
-        recorder = self._session.recorder
-        row = recorder.internal_alloc(size, f"cuda:{query.device.index or 0}", WORKSPACE_OP,
-                                      self._session.locator.locate(3))
-        recorder.mark_sid(recorder.rows[row][_SID], schema.TEMPORARY)
-        recorder.internal_free(row)
+        self._session.recorder.kernel_scratch(
+            (size,), f"cuda:{query.device.index or 0}", WORKSPACE_OP,
+            self._session.locator.locate(3), schema.TEMPORARY)
         self.made += 1

@@ -282,11 +282,9 @@ class CudnnConvWorkspaces:
         if size <= 0:
             return
         session = self._session
-        recorder = session.recorder
-        row = recorder.internal_alloc(size, f"cuda:{device.index or 0}", CONV_WORKSPACE_OP,
-                                      session.locator.locate(5))
-        recorder.mark_sid(recorder.rows[row][_SID], schema.TEMPORARY)
-        recorder.internal_free(row)
+        session.recorder.kernel_scratch((size,), f"cuda:{device.index or 0}",
+                                        CONV_WORKSPACE_OP, session.locator.locate(5),
+                                        schema.TEMPORARY)
         self.counts[kind] += 1
         self.bytes_max[kind] = max(self.bytes_max[kind], size)
 

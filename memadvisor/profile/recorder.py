@@ -148,6 +148,18 @@ class EventRecorder:
         if self.enabled:
             self._log_free(alloc_row)
 
+    def kernel_scratch(self, sizes, device: str, op: str, source, category: str) -> None:
+        """Blocks a GPU kernel takes for its own duration (workspaces, staging buffers),
+        which fake tensors never make: logged after the op's outputs, all alive together,
+        then freed -- the kernel's peak is its inputs, outputs and these."""
+        rows = []
+        for size in sizes:
+            if size > 0:
+                rows.append(self.internal_alloc(size, device, op, source))
+                self.mark_sid(self.rows[rows[-1]][_SID], category)
+        for row in rows:
+            self.internal_free(row)
+
     def check_resize(self, storage, op: str, shape: str, source,
                      size_bytes: int | None = None, allow_shrink: bool = False) -> None:
         """An op grew (or shrank) an existing storage in place (``out=`` into an empty

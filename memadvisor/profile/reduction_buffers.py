@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from ..trace import schema
-from .recorder import _SID
 
 REDUCTION_OPS = frozenset({"aten::sum", "aten::mean"})
 BUFFER_OP = "reduction_staging"
@@ -167,14 +166,7 @@ class ReductionBuffers:
             self.threads_per_sm)
         if not buffer_bytes:
             return
-        device = f"cuda:{source.device.index or 0}"
-        recorder = self._session.recorder
-        source_line = self._session.locator.locate(3)
-        rows = []
-        for size in (buffer_bytes, semaphore_bytes):
-            row = recorder.internal_alloc(size, device, BUFFER_OP, source_line)
-            recorder.mark_sid(recorder.rows[row][_SID], schema.TEMPORARY)
-            rows.append(row)
-        for row in rows:
-            recorder.internal_free(row)
+        self._session.recorder.kernel_scratch(
+            (buffer_bytes, semaphore_bytes), f"cuda:{source.device.index or 0}", BUFFER_OP,
+            self._session.locator.locate(3), schema.TEMPORARY)
         self.made += 1
