@@ -362,6 +362,15 @@ def _replace_conv_calls(out: Timeline, entry: dict, direction: str, low: str,
     return True
 
 
+#: GPU blocks whose size no dtype changes: the cuBLAS / cuBLASLt workspaces (one per handle
+#: and stream, fixed size), and fp32 accumulators (the efficient attention's dQ workspace, a
+#: reduction's staging buffer) -- names as profile/kernel_memory.py, attention_workspace.py
+#: and reduction_buffers.py write them (a 32 MiB cuBLAS workspace the size of a 16-bit
+#: activation was halved by coincidence: Llama amp-bf16 'other' 64 -> 48 MiB)
+DTYPE_INDEPENDENT_BLOCKS = frozenset({"cublas_workspace", "cublaslt_workspace",
+                                      "efficient_attention_workspace", "reduction_staging"})
+
+
 def data_sized_kernel_blocks(timeline: Timeline, low_now: np.ndarray) -> np.ndarray:
     """A kernel's untyped backward block as large as one of its module's forward tensors
     that became 16-bit (batch norm's backward workspace) is that tensor's data: 16-bit too.
@@ -371,7 +380,8 @@ def data_sized_kernel_blocks(timeline: Timeline, low_now: np.ndarray) -> np.ndar
                          & (timeline.phase == _BACKWARD) & (timeline.size > 0))
     if not len(raw) or not len(low_now):
         return out
-    conv = np.array(["convolution" in op for op in timeline.ops] or [False])
+    conv = np.array(["convolution" in op or op in DTYPE_INDEPENDENT_BLOCKS
+                     for op in timeline.ops] or [False])
     raw = raw[~conv[timeline.op[raw]]]
     low_keys = set(zip(timeline.module[low_now].tolist(), timeline.size[low_now].tolist()))
     for row in raw:
