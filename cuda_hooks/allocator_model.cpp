@@ -1,21 +1,30 @@
 // The CUDA caching allocator *model*'s replay loop (memadvisor/simulate/allocator.py), in
 // C++ for speed: advise replays the allocation stream of every plan it shows, and a
-// 1M-event trace makes ~300k allocations per replay (seconds in Python, milliseconds here).
+// 5M-event trace makes ~4M allocations per replay (minutes in Python, a fraction of a
+// second here).
 //
 // The semantics are exactly those of allocator.CachingAllocator + allocator.replay (the
 // Python stays the reference: tests/simulate/test_allocator_native.py replays random and
 // real streams through both and requires identical results).  No torch, no Python API:
-// plain C ABI, loaded with ctypes.  Blocks live in a deque (stable addresses); free lists
-// are ordered sets of (size, segment, offset, block) - best fit is the first entry >= the
-// request (the block pointer never decides an order: the first three are unique).  A
-// segment's first block is the one it was created with (a merge keeps the lower block),
-// so segments point at it and no (segment, offset) index is needed.
+// plain C ABI, loaded with ctypes.
+//
+// The stream comes in as replay_events makes it (signed sizes, row ids): rounding to
+// blocks and finding the queries (an allocation freed by the very next event) happen in
+// the loop, so no per-event array is made in Python.  Every cost is per event and
+// independent of the stream's length:
+// - free lists are ordered sets of (size, segment, offset, block) -- best fit is the first
+//   entry >= the request (the block pointer never decides an order: the first three are
+//   unique) -- whose nodes come from a pool that reuses freed ones;
+// - blocks carry their pool and are recycled once merged away;
+// - the storages alive are found by row id in a flat table where the ids are dense (they
+//   are: replay_events numbers rows), a hash map otherwise;
+// - a segment's first block is the one it was created with (a merge keeps the lower
+//   block), so segments point at it and no (segment, offset) index is needed.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
-#include <map>
+#include <memory_resource>
 #include <set>
-#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -23,28 +32,47 @@ namespace {
 
 struct Block {
     int64_t segment, offset, size;
-    bool free;
     Block* prev;
     Block* next;
+    bool free;
+    bool small;
 };
 
-using Key = std::tuple<int64_t, int64_t, int64_t, Block*>;  // (size, segment, offset, block)
+struct Key {
+    int64_t size, segment, offset;
+    Block* block;
+    bool operator<(const Key& o) const {
+        if (size != o.size) return size < o.size;
+        if (segment != o.segment) return segment < o.segment;
+        return offset < o.offset;
+    }
+};
 
 struct Segment {
     int64_t bytes;
-    bool small;
     Block* head;
+    bool small;
+    bool alive;
 };
+
+using FreeList = std::pmr::set<Key>;
 
 struct Model {
     int64_t min_block, small_size, small_buffer, large_buffer, min_large_alloc, round_large;
     int64_t capacity;
-    std::set<Key> free_lists[2];  // [0] large, [1] small
-    std::map<int64_t, Segment> segments;  // id -> segment, in creation order
-    std::deque<Block> pool;
-    int64_t next_segment = 0, allocated = 0, reserved = 0;
+    std::pmr::unsynchronized_pool_resource nodes;
+    FreeList free_lists[2] = {FreeList(&nodes), FreeList(&nodes)};  // [0] large, [1] small
+    std::vector<Segment> segments;  // by id, in creation order
+    int64_t segments_alive = 0;
+    std::vector<Block*> blocks;  // every block made (owned here)
+    std::vector<Block*> spare;  // blocks merged away, reused
+    int64_t allocated = 0, reserved = 0;
     int64_t peak_allocated = 0, peak_reserved = 0;
     bool out_of_memory = false;
+
+    ~Model() {
+        for (Block* b : blocks) delete b;
+    }
 
     int64_t segment_size(int64_t rounded) const {
         if (rounded <= small_size) return small_buffer;
@@ -52,30 +80,39 @@ struct Model {
         return (rounded + round_large - 1) / round_large * round_large;
     }
 
-    Block* make(int64_t segment, int64_t offset, int64_t size, bool is_free, Block* prev,
-                Block* next) {
-        pool.push_back(Block{segment, offset, size, is_free, prev, next});
-        return &pool.back();
+    Block* make(int64_t segment, int64_t offset, int64_t size, bool is_free, bool small,
+                Block* prev, Block* next) {
+        Block* b;
+        if (!spare.empty()) {
+            b = spare.back();
+            spare.pop_back();
+        } else {
+            b = new Block;
+            blocks.push_back(b);
+        }
+        *b = Block{segment, offset, size, prev, next, is_free, small};
+        return b;
     }
 
-    void insert_free(Block* b, bool small) {
+    void insert_free(Block* b) {
         b->free = true;
-        free_lists[small].insert(Key(b->size, b->segment, b->offset, b));
+        free_lists[b->small].insert(Key{b->size, b->segment, b->offset, b});
     }
 
-    void remove_free(Block* b, bool small) {
-        free_lists[small].erase(Key(b->size, b->segment, b->offset, b));
+    void remove_free(Block* b) {
+        free_lists[b->small].erase(Key{b->size, b->segment, b->offset, b});
     }
 
     void release_free_segments() {
-        for (auto it = segments.begin(); it != segments.end();) {
-            Block* b = it->second.head;
-            if (b->free && b->size == it->second.bytes) {
-                remove_free(b, it->second.small);
-                reserved -= it->second.bytes;
-                it = segments.erase(it);
-            } else {
-                ++it;
+        for (Segment& s : segments) {
+            if (!s.alive) continue;
+            Block* b = s.head;
+            if (b->free && b->size == s.bytes) {
+                remove_free(b);
+                reserved -= s.bytes;
+                s.alive = false;
+                --segments_alive;
+                spare.push_back(b);
             }
         }
     }
@@ -85,10 +122,11 @@ struct Model {
             release_free_segments();
             if (reserved + nbytes > capacity) out_of_memory = true;
         }
-        int64_t segment = next_segment++;
-        Block* b = make(segment, 0, nbytes, true, nullptr, nullptr);
-        segments[segment] = Segment{nbytes, small, b};
-        insert_free(b, small);
+        int64_t segment = static_cast<int64_t>(segments.size());
+        Block* b = make(segment, 0, nbytes, true, small, nullptr, nullptr);
+        segments.push_back(Segment{nbytes, b, small, true});
+        ++segments_alive;
+        insert_free(b);
         reserved += nbytes;
         if (reserved > peak_reserved) peak_reserved = reserved;
     }
@@ -98,22 +136,23 @@ struct Model {
     }
 
     Block* malloc_rounded(int64_t rounded, bool small) {
-        auto& items = free_lists[small];
-        auto it = items.lower_bound(Key(rounded, -1, -1, nullptr));
+        FreeList& items = free_lists[small];
+        auto it = items.lower_bound(Key{rounded, -1, -1, nullptr});
         if (it == items.end()) {
             new_segment(segment_size(rounded), small);
-            it = items.lower_bound(Key(rounded, -1, -1, nullptr));
+            it = items.lower_bound(Key{rounded, -1, -1, nullptr});
         }
-        Block* b = std::get<3>(*it);
+        Block* b = it->block;
         items.erase(it);
         b->free = false;
         int64_t remaining = b->size - rounded;
         if (splits(remaining, small)) {
-            Block* rest = make(b->segment, b->offset + rounded, remaining, true, b, b->next);
+            Block* rest = make(b->segment, b->offset + rounded, remaining, true, small, b,
+                               b->next);
             if (b->next) b->next->prev = rest;
             b->next = rest;
             b->size = rounded;
-            items.insert(Key(remaining, b->segment, rest->offset, rest));
+            items.insert(Key{remaining, b->segment, rest->offset, rest});
         }
         allocated += b->size;
         if (allocated > peak_allocated) peak_allocated = allocated;
@@ -121,39 +160,111 @@ struct Model {
     }
 
     void free_block(Block* b) {
-        bool small = segments[b->segment].small;
         allocated -= b->size;
-        Block* neighbours[2] = {b->prev, b->next};
-        for (Block* n : neighbours) {
-            if (n == nullptr || !n->free) continue;
-            remove_free(n, small);
-            if (n == neighbours[0]) {
-                n->size += b->size;
-                n->next = b->next;
-                if (b->next) b->next->prev = n;
-                b = n;
-            } else {
-                b->size += n->size;
-                b->next = n->next;
-                if (n->next) n->next->prev = b;
-            }
+        Block* before = b->prev;
+        Block* after = b->next;
+        if (before != nullptr && before->free) {
+            remove_free(before);
+            before->size += b->size;
+            before->next = b->next;
+            if (b->next) b->next->prev = before;
+            spare.push_back(b);
+            b = before;
         }
-        insert_free(b, small);
+        if (after != nullptr && after->free) {
+            remove_free(after);
+            b->size += after->size;
+            b->next = after->next;
+            if (after->next) after->next->prev = b;
+            spare.push_back(after);
+        }
+        insert_free(b);
+    }
+
+    // A query: an allocation freed by the very next event.  When a cached block can hold
+    // it, splitting and merging back leave the allocator exactly as it was: only its bytes
+    // count toward the allocated peak.  Returns false when it needs a new segment.
+    bool query(int64_t size, bool small) {
+        FreeList& items = free_lists[small];
+        if (items.empty() || items.rbegin()->size < size) return false;
+        if (allocated + items.rbegin()->size > peak_allocated) {
+            int64_t block_size = items.lower_bound(Key{size, -1, -1, nullptr})->size;
+            int64_t remaining = block_size - size;
+            int64_t taken = splits(remaining, small) ? size : block_size;
+            if (allocated + taken > peak_allocated) peak_allocated = allocated + taken;
+        }
+        return true;
     }
 };
+
+// Storages alive by row id: a flat table where ids are dense, a hash map otherwise.
+struct DenseLive {
+    std::vector<Block*> table;
+    explicit DenseLive(int64_t rows) : table(static_cast<size_t>(rows), nullptr) {}
+    void put(int64_t row, Block* b) { table[row] = b; }
+    Block* take(int64_t row) {
+        Block* b = table[row];
+        table[row] = nullptr;
+        return b;
+    }
+};
+
+struct SparseLive {
+    std::unordered_map<int64_t, Block*> map;
+    explicit SparseLive(int64_t events) { map.reserve(static_cast<size_t>(events / 2 + 1)); }
+    void put(int64_t row, Block* b) { map[row] = b; }
+    Block* take(int64_t row) {
+        auto found = map.find(row);
+        if (found == map.end()) return nullptr;
+        Block* b = found->second;
+        map.erase(found);
+        return b;
+    }
+};
+
+int64_t rounded_size(double signed_size, int64_t min_block) {
+    // np.abs(x).round().astype(int64): round half to even, as rint in the default mode
+    int64_t magnitude = static_cast<int64_t>(std::nearbyint(std::fabs(signed_size)));
+    int64_t rounded = (magnitude + (min_block - 1)) & -min_block;
+    return rounded < min_block ? min_block : rounded;
+}
+
+template <class Live>
+bool run(Model& m, Live& live, int64_t n, const double* sizes, const int64_t* rows,
+         int64_t stop_above) {
+    for (int64_t i = 0; i < n; ++i) {
+        const double s = sizes[i];
+        const int64_t row = rows[i];
+        if (!(s > 0)) {  // a free (a size of 0 counts as one, as in allocator.replay)
+            Block* b = live.take(row);
+            if (b != nullptr) m.free_block(b);
+            continue;
+        }
+        const int64_t size = rounded_size(s, m.min_block);
+        const bool small = size <= m.small_size;
+        if (i + 1 < n && !(sizes[i + 1] > 0) && rows[i + 1] == row) {
+            ++i;  // the free that follows is part of the query
+            if (m.query(size, small)) continue;
+            m.free_block(m.malloc_rounded(size, small));
+        } else {
+            live.put(row, m.malloc_rounded(size, small));
+        }
+        if (stop_above && m.reserved > stop_above) return false;
+    }
+    return true;
+}
 
 }  // namespace
 
 extern "C" {
 
-int memadvisor_allocator_model_api() { return 1; }
+int memadvisor_allocator_model_api() { return 2; }
 
-// kind: 0 free, 1 alloc, 2 alloc freed by the next event (a query); rows: storage id;
-// rounded: request rounded to the block size; small: rounded <= the small-pool limit.
-// constants: min_block, small_size, small_buffer, large_buffer, min_large_alloc,
-// round_large.  out: peak_allocated, peak_reserved, segments, out_of_memory, complete.
-void memadvisor_allocator_replay(int64_t n, const int8_t* kind, const int64_t* rows,
-                                 const int64_t* rounded, const uint8_t* small,
+// sizes: signed sizes in bytes (> 0 an allocation, else a free), as replay_events gives
+// them; rows: storage id of each event.  constants: min_block (a power of two),
+// small_size, small_buffer, large_buffer, min_large_alloc, round_large.
+// out: peak_allocated, peak_reserved, segments, out_of_memory, complete.
+void memadvisor_allocator_replay(int64_t n, const double* sizes, const int64_t* rows,
                                  const int64_t* constants, int64_t capacity,
                                  int64_t stop_above, int64_t* out) {
     Model m;
@@ -164,48 +275,22 @@ void memadvisor_allocator_replay(int64_t n, const int8_t* kind, const int64_t* r
     m.min_large_alloc = constants[4];
     m.round_large = constants[5];
     m.capacity = capacity;
-    std::unordered_map<int64_t, Block*> live;
-    live.reserve(static_cast<size_t>(n / 2 + 1));
-    bool complete = true;
+    int64_t low = 0, high = -1;
     for (int64_t i = 0; i < n; ++i) {
-        const int8_t what = kind[i];
-        const int64_t size = rounded[i];
-        const bool is_small = small[i] != 0;
-        if (what == 0) {
-            auto found = live.find(rows[i]);
-            if (found != live.end()) {
-                Block* b = found->second;
-                live.erase(found);
-                m.free_block(b);
-            }
-            continue;
-        }
-        if (what == 2) {
-            auto& items = m.free_lists[is_small];
-            if (!items.empty() && std::get<0>(*items.rbegin()) >= size) {
-                // best fit, split, free, merge: the free lists end as they began
-                if (m.allocated + std::get<0>(*items.rbegin()) > m.peak_allocated) {
-                    int64_t block_size =
-                        std::get<0>(*items.lower_bound(Key(size, -1, -1, nullptr)));
-                    int64_t remaining = block_size - size;
-                    int64_t taken = m.splits(remaining, is_small) ? size : block_size;
-                    if (m.allocated + taken > m.peak_allocated)
-                        m.peak_allocated = m.allocated + taken;
-                }
-                continue;
-            }
-            m.free_block(m.malloc_rounded(size, is_small));
-        } else {
-            live[rows[i]] = m.malloc_rounded(size, is_small);
-        }
-        if (stop_above && m.reserved > stop_above) {
-            complete = false;
-            break;
-        }
+        if (rows[i] < low) low = rows[i];
+        if (rows[i] > high) high = rows[i];
+    }
+    bool complete;
+    if (low >= 0 && high < 4 * n + 1024) {
+        DenseLive live(high + 1);
+        complete = run(m, live, n, sizes, rows, stop_above);
+    } else {
+        SparseLive live(n);
+        complete = run(m, live, n, sizes, rows, stop_above);
     }
     out[0] = m.peak_allocated;
     out[1] = m.peak_reserved;
-    out[2] = static_cast<int64_t>(m.segments.size());
+    out[2] = m.segments_alive;
     out[3] = m.out_of_memory ? 1 : 0;
     out[4] = complete ? 1 : 0;
 }

@@ -251,13 +251,18 @@ def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
     if expandable_segments or config.expandable_segments:
         return _expandable(signed_sizes)
     allocator = CachingAllocator(capacity_bytes, config)
+    compiled = native_allocator.load() if native and config.default_rules else None
+    if compiled is not None:
+        return AllocatorResult(*compiled(
+            signed_sizes, rows, (MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER, LARGE_BUFFER,
+                                 MIN_LARGE_ALLOC, ROUND_LARGE),
+            allocator.capacity, stop_above_bytes))
     live: dict[int, _Block] = {}
     magnitude = np.abs(signed_sizes).round().astype(np.int64)
     if config.default_rules:
         # up to a whole block (MIN_BLOCK a power of two: a mask, not a division), at least one
         rounded = np.maximum((magnitude + (MIN_BLOCK - 1)) & -MIN_BLOCK, MIN_BLOCK)
     else:
-        native = False
         rounded = np.array([config.round_size(int(m)) for m in magnitude], dtype=np.int64)
     is_alloc = signed_sizes > 0
     # kind per event: 0 free, 1 alloc, 2 alloc freed by the next event (the free is dropped)
@@ -269,12 +274,6 @@ def replay(signed_sizes: np.ndarray, rows: np.ndarray, capacity_bytes: int = 0,
         keep[1:][pair] = False
         kind, rows, rounded = kind[keep], rows[keep], rounded[keep]
     small_request = rounded <= SMALL_SIZE
-    compiled = native_allocator.load() if native else None
-    if compiled is not None:
-        return AllocatorResult(*compiled(
-            kind, rows, rounded, small_request, (MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER,
-                                                 LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE),
-            allocator.capacity, stop_above_bytes))
     free_lists = allocator.free_lists
     complete = True
     for what, row, size, small in zip(kind.tolist(), rows.tolist(), rounded.tolist(),

@@ -1,6 +1,8 @@
 """The allocator model's replay loop compiled (``cuda_hooks/allocator_model.cpp``), loaded
 with ctypes; ``allocator.replay`` uses it when it loads and its own Python loop (the
-reference: same results, ~50x slower) when it does not.
+reference: same results, ~100x slower) when it does not.  It takes the stream as
+``replay.replay_events`` gives it (signed sizes, row ids) and rounds and pairs the events
+itself: nothing per event is made in Python.
 
 Built on first use with the system C++ compiler (no torch headers: plain C++17, well under
 a second) and cached under ``$MEMADVISOR_CACHE`` or ``~/.cache/memadvisor/native/``, keyed
@@ -23,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 SOURCE_NAME = "allocator_model.cpp"
-API_VERSION = 1
+API_VERSION = 2
 _BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
@@ -92,7 +94,7 @@ def load():
                 raise OSError("stale allocator_model library")
             fn = lib.memadvisor_allocator_replay
             fn.restype = None
-            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [
+            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
                 ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
             replay = _wrap(fn)
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:
@@ -107,17 +109,18 @@ def unavailable_reason() -> str | None:
 
 
 def _wrap(fn):
-    def replay(kind: np.ndarray, rows: np.ndarray, rounded: np.ndarray, small: np.ndarray,
-               constants: tuple[int, ...], capacity: int, stop_above: int) -> tuple:
-        kind = np.ascontiguousarray(kind, np.int8)
+    def replay(signed_sizes: np.ndarray, rows: np.ndarray, constants: tuple[int, ...],
+               capacity: int, stop_above: int) -> tuple:
+        """``allocator.replay``'s loop over the stream (> 0 an allocation, else a free);
+        ``constants``: MIN_BLOCK (a power of two), SMALL_SIZE, SMALL_BUFFER, LARGE_BUFFER,
+        MIN_LARGE_ALLOC, ROUND_LARGE."""
+        sizes = np.ascontiguousarray(signed_sizes, np.float64)
         rows = np.ascontiguousarray(rows, np.int64)
-        rounded = np.ascontiguousarray(rounded, np.int64)
-        small = np.ascontiguousarray(small)
-        small = small.view(np.uint8) if small.dtype == bool else small.astype(np.uint8)
+        if len(sizes) != len(rows):
+            raise ValueError(f"{len(sizes)} sizes for {len(rows)} rows")
         consts = np.asarray(constants, np.int64)
         out = np.zeros(5, np.int64)
-        fn(len(kind), kind.ctypes.data, rows.ctypes.data, rounded.ctypes.data,
-           small.ctypes.data, consts.ctypes.data, int(capacity), int(stop_above),
-           out.ctypes.data)
+        fn(len(sizes), sizes.ctypes.data, rows.ctypes.data, consts.ctypes.data,
+           int(capacity), int(stop_above), out.ctypes.data)
         return int(out[0]), int(out[1]), int(out[2]), bool(out[3]), bool(out[4])
     return replay

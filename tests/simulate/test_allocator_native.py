@@ -64,3 +64,26 @@ def test_real_plans_match_the_reference(base, spec):
     timeline, *_ = transform(base, plan, hardware("h100-80gb"))
     sizes, rows = replay_events(apply_accumulation(timeline, plan.accum))
     assert replay(sizes, rows, native=True) == replay(sizes, rows, native=False)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sparse_row_ids_and_zero_sizes_match_the_reference(seed):
+    """Row ids far apart or negative (the compiled loop keeps its live storages in a hash
+    map then, not a flat table) and events of size 0 (a free, as the reference reads
+    them)."""
+    rng = np.random.default_rng(100 + seed)
+    sizes, rows = _random_stream(rng, 3000)
+    sparse = rows * 1_000_003 - 7
+    sizes[rng.random(len(sizes)) < 0.02] = 0.0
+    for kwargs in (dict(), dict(capacity_bytes=256 << 20), dict(stop_above_bytes=100 << 20)):
+        for ids in (rows, sparse):
+            assert replay(sizes, ids, native=True, **kwargs) == replay(
+                sizes, ids, native=False, **kwargs), kwargs
+
+
+def test_fractional_sizes_round_as_the_reference():
+    """Sizes that scaling made fractional round half to even, as numpy's round."""
+    sizes = np.array([511.5, -511.5, 512.5, 1024.5, -512.5, 2.5, -1024.5, -2.5,
+                      (1 << 20) + 0.5, -((1 << 20) + 0.5)])
+    rows = np.array([0, 0, 1, 2, 1, 3, 2, 3, 4, 4])
+    assert replay(sizes, rows, native=True) == replay(sizes, rows, native=False)
