@@ -26,10 +26,12 @@ from ..terminal import safe_text
 @click.option("--save-plan", default=None, help="Write the best plan as JSON for `apply`.")
 @click.option("--overwrite", is_flag=True, help="Let --save-plan replace an existing file.")
 @click.option("--verify", "verify_count", type=click.IntRange(min=0), is_flag=False,
-              flag_value=5, default=0, metavar="[K]",
-              help="Execute the top K plans (default 5) as `apply` would run them -- fake "
-                   "tensors on the simulated GPU, or for real on this CPU for the cpu target -- "
-                   "and keep only plans whose executed peak fits.")
+              flag_value=5, default=None, metavar="[K]",
+              help="Execute the top K plans (--verify alone: 5) as `apply` would run them -- "
+                   "fake tensors on the simulated GPU, or for real on this CPU for the cpu "
+                   "target -- and keep only plans whose executed peak fits.  Default: 5 on a "
+                   "GPU target where the profiled script is found, 0 on the cpu target (a real "
+                   "run per plan); --verify 0: analytic fits only.")
 @click.option("--objective", type=click.Choice(["cost", "speed", "memory"]), default=None,
               help="What 'best' means: cost (GPU-time per step: a GPU that halves the step "
                    "costs as much; the default), speed (wall time per step: GPUs are free) or "
@@ -39,12 +41,13 @@ from ..terminal import safe_text
 def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segments, save_plan,
             overwrite, verify_count, objective, as_json):
     """Rank every plan that fits a memory budget by predicted step time.  Plans `apply`
-    cannot realise for the profiled script are marked; with --verify the top plans are
-    executed and the executed peak decides whether they fit."""
+    cannot realise for the profiled script are marked; the top plans are executed (by
+    default on a GPU target, with --verify K on the cpu target) and the executed peak
+    decides whether they fit."""
     from ..errors import UserError
     from ..plan import Plan
     from ..trace.io import read_trace
-    from ..units import parse_bytes
+    from ..units import format_bytes, parse_bytes
     from ..simulate import advise
     from ..verify import baseline_as_applied
     from ..simulate.output import advise_dict, advise_text
@@ -58,9 +61,11 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     base = baseline_as_applied(trace)  # the loop as apply rewrites it
     release_events(trace)  # only the metadata is read from here on
     hw = target_hardware(gpu, trace.meta.device, expandable_segments)
-    script = _script(trace, trace_path, required=bool(verify_count))
+    script, choice = _script_and_choice(trace, trace_path, verify_count, hw.device_type)
+    verify_count = choice.count
     allowed = {a.strip() for a in allow.split(",") if a.strip()}
     shown = top
+    baseline_record = None
     while True:
         result = advise(base, hw, budget_bytes, gpus, margin=margin, allow=allowed, top=shown,
                         expandable_segments=expandable_segments, objective=objective or "cost")
@@ -69,7 +74,16 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
         # unasked, a script that fits is left as it is: every plan changes something
         data["keep_as_is"] = (objective is None
                               and data["baseline_peak_bytes"] <= result.usable_bytes)
-        checked = check_plans(data, result, script, trace.meta, hw, verify_count)
+        if data["keep_as_is"] and verify_count and base.device_type != hw.device_type:
+            # the unmodified script's peak on the target is itself a prediction here
+            if baseline_record is None:
+                baseline_record = _verify_baseline(base, script, trace.meta, hw,
+                                                   result.usable_bytes, choice.default)
+            data["baseline_verification"] = baseline_record
+            data["keep_as_is"] = not baseline_record["executed"] or baseline_record["fits"]
+        checked = check_plans(data, result, script, trace.meta, hw,
+                              0 if data["keep_as_is"] else verify_count,
+                              fall_back=choice.default)
         # every plan shown refused by apply for this script (a framework's FSDP on the CPU):
         # look further down the ranking for one it can realise, as far as all that fit
         if (data["best"] is not None or not checked or data["keep_as_is"] or verify_count
@@ -87,6 +101,7 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     best = data["best"]
     if data["keep_as_is"]:
         best = data["best"] = None
+    data["verification"] = verification_summary(data, choice, hw, base)
     if save_plan is not None and (best is not None or data["keep_as_is"]):
         chosen = result.ranked[best].plan if best is not None else Plan()
         try:
@@ -98,13 +113,60 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
                             f"{getattr(exc, 'strerror', None) or exc}") from None
     click.echo(json.dumps(data, indent=2) if as_json else safe_text(advise_text(data)))
     if best is None and checked and not data["keep_as_is"]:
-        what = ("of the plans shown fits when executed" if verify_count else
-                f"of the {len(result.ranked)} plans that fit can be applied to this script "
-                "(apply's reasons above)")
-        raise UserError(f"none {what}"
-                        + (f"; nothing written to {save_plan}" if save_plan else ""),
+        summary = data["verification"]
+        if summary["plans_attempted"] and not summary["plans_executed"]:
+            what = (f"{summary['unverified_reason']}; --verify 0 ranks by the analytic "
+                    "figures alone (unverified)")
+        elif summary["plans_executed"]:
+            what = (f"none of the {summary['plans_executed']} plans executed fits the usable "
+                    f"{format_bytes(result.usable_bytes)} (--verify K executes more; "
+                    "--verify 0 ranks by the analytic figures alone, unverified)")
+        else:
+            what = (f"none of the {len(result.ranked)} plans that fit can be applied to this "
+                    "script (apply's reasons above)")
+        raise UserError(what + (f"; nothing written to {save_plan}" if save_plan else ""),
                         exit_code=1)
     return 0
+
+
+def verification_summary(data: dict, choice, hw, base) -> dict:
+    """``data['verification']``: whether the fits shown were decided by execution, how,
+    and why not (``verify.policy``), with its line of text."""
+    from ..verify.policy import fits_line, summary_dict
+    if data["keep_as_is"]:  # the one fit declared is the unmodified script's
+        records = [data["baseline_verification"]] if "baseline_verification" in data else []
+    else:
+        records = [p["verification"] for p in data["plans"] if p.get("verification")]
+    executed = [r for r in records if r["executed"]]
+    failed = next((r["failed"] or r["refused"] for r in records if not r["executed"]), None)
+    first = executed[0] if executed else None
+    summary = summary_dict(choice, hw.device_type, executed=len(executed),
+                           attempted=len(records), method=first and first["method"],
+                           where=first and first["where"].split(", ", 1)[0],
+                           failed_reason=failed,
+                           recorded=(data["keep_as_is"] and not records
+                                     and base.device_type == hw.device_type),
+                           baseline=data["keep_as_is"])
+    summary["text"] = fits_line(summary, hw.device_type)
+    return summary
+
+
+def _verify_baseline(base, script, meta, hw, usable_bytes: int, fall_back: bool) -> dict:
+    """Execute the unmodified script on the target (a trace of another device says what
+    it needs there only by the analytic model): does it fit?  A failed execution is the
+    reason in one line and exit 1 where --verify was asked for."""
+    from ..errors import UserError
+    from ..plan import Plan
+    from ..simulate import simulate
+    from ..verify import compare, verify_plan
+    click.echo("memadvisor: executing the unmodified script to verify that it fits ...",
+               err=True)
+    verification = verify_plan(script, meta, Plan(), hw)
+    record = compare(simulate(base, Plan(), hw), verification, usable_bytes)
+    if not record["executed"] and not fall_back:
+        raise UserError(f"the unmodified script could not be executed to verify that it "
+                        f"fits: {record['failed'] or record['refused']}", exit_code=1)
+    return record
 
 
 def release_events(trace) -> None:
@@ -119,25 +181,32 @@ def release_events(trace) -> None:
         release()
 
 
-def _script(trace, trace_path, required: bool):
-    """The profiled script, to check plans against; None (unchecked) where it is gone,
-    unless --verify needs it."""
+def _script_and_choice(trace, trace_path, asked: int | None, device_type: str):
+    """(the profiled script or None, ``verify.policy.VerifyChoice``): the script to check
+    plans against and how many plans to execute.  Asked to verify (--verify K) with the
+    script gone: one line and exit 2; by default advise goes on with analytic fits and says
+    why."""
     from ..errors import UserError
     from ..verify import recorded_script
-    try:
-        return recorded_script(trace.meta, trace_path)
-    except UserError:
-        if required:
-            raise
-        return None
+    from ..verify.policy import choose
+    from ..verify.script import locate_script
+    script, problem = locate_script(trace.meta, trace_path)
+    if problem is not None and asked:
+        recorded_script(trace.meta, trace_path)  # raises --verify's own one line
+        raise UserError(problem)
+    return script, choose(asked, device_type, problem)
 
 
-def check_plans(data: dict, result, script, meta, hw, verify_count: int) -> bool:
+def check_plans(data: dict, result, script, meta, hw, verify_count: int,
+                fall_back: bool = False) -> bool:
     """Mark each shown plan that ``apply`` cannot realise for the script, execute the top
     ``verify_count`` others (more, up to twice as many, while executed ones do not fit),
-    and choose the best: the first plan realisable and, where executed, fitting.  Fills
-    ``data['best']`` (an index into ``data['plans']`` or None); returns whether plans were
-    checked at all (the script was found)."""
+    and choose the best: the first plan realisable and -- where plans are executed --
+    executed and fitting (a plan below the executed ones is not declared to fit on its
+    analytic figure).  Where no execution completed at all, ``fall_back`` (the default
+    verification, not asked for) chooses by the analytic figures as ``--verify 0`` would,
+    and the output says so.  Fills ``data['best']`` (an index into ``data['plans']`` or
+    None); returns whether plans were checked at all (the script was found)."""
     from ..verify import apply_refusals
     from ..verify.compare import plan_check_text
     data["apply_checked"] = script is not None
@@ -162,11 +231,15 @@ def check_plans(data: dict, result, script, meta, hw, verify_count: int) -> bool
             data["plans"][index]["verification"] = record
             data["verified"] += 1
             fitting += bool(record["fits"])
+    executed = any(p.get("verification", {}).get("executed") for p in data["plans"])
+    # executions asked for and every one failed: by default, the analytic ranking (said)
+    by_execution = bool(data["verified"]) and (executed or not fall_back)
     best = None
     for index, shown in enumerate(data["plans"]):
         shown["check_mark"], shown["check_notes"] = plan_check_text(shown)
-        executed_fit = shown.get("verification", {}).get("fits", True)
-        if best is None and shown["apply_refused"] is None and executed_fit:
+        record = shown.get("verification")
+        fits = bool(record and record["fits"]) if by_execution else True  # ranked: fit
+        if best is None and shown["apply_refused"] is None and fits:
             best = index
     data["best"] = best
     return True

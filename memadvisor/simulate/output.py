@@ -117,7 +117,11 @@ def advise_text(data: dict) -> str:
              f"{format_bytes(data['usable_bytes'])}; baseline peak "
              f"{format_bytes(data['baseline_peak_bytes'])}",
              f"{data['evaluated']} plans: {len(data['plans'])} shown, "
-             f"{data['over_budget']} over budget, {data['rejected']} cannot run here", ""]
+             f"{data['over_budget']} over budget, {data['rejected']} cannot run here"]
+    verification = data.get("verification")  # how the fits were decided (the command's)
+    if verification is not None:
+        lines.append(verification["text"])
+    lines.append("")
     header = f"{'#':>2}  {'peak':>10}  {'reserved':>10}  {'time':>7}  {'GPU-time':>8}  plan"
     lines.append(header)
     notes = []
@@ -132,13 +136,23 @@ def advise_text(data: dict) -> str:
         notes += [f"#{index}: {note}" for note in plan.get("check_notes", [])]
     if notes:
         lines += ["", *notes]
-    if data.get("apply_checked") is False and data["plans"]:
+    if verification is None and data.get("apply_checked") is False and data["plans"]:
         lines += ["", "note: the profiled script was not found, so no plan was checked "
                       "against what `apply` can rewrite"]
+    baseline = data.get("baseline_verification")  # its peak on the target, executed
+    executed_baseline = baseline is not None and baseline.get("executed")
+    if executed_baseline and not baseline["fits"]:
+        lines += ["", f"the unmodified script executed: peak "
+                      f"{format_bytes(baseline['executed_peak_bytes'])}, DOES NOT FIT "
+                      f"(analytic {format_bytes(data['baseline_peak_bytes'])}) "
+                      f"[{baseline['where']}]"]
     best_index = data.get("best", 0 if data["plans"] else None)
     if data.get("keep_as_is"):
+        peak = (f"{format_bytes(baseline['executed_peak_bytes'])} executed (analytic "
+                f"{format_bytes(data['baseline_peak_bytes'])})" if executed_baseline else
+                format_bytes(data["baseline_peak_bytes"]))
         lines += ["", f"best: change nothing -- the unmodified script's peak "
-                      f"{format_bytes(data['baseline_peak_bytes'])} fits the usable "
+                      f"{peak} fits the usable "
                       f"{format_bytes(data['usable_bytes'])}; the plans above (ranked by "
                       f"GPU-time) would still change it: pick one with --objective "
                       f"cost|speed|memory"]
@@ -154,7 +168,7 @@ def advise_text(data: dict) -> str:
         lines.append("  changes: " + "; ".join(best["changes"]))
     if data["max_micro_batch"]:
         lines.append("")
-        lines.append("largest micro-batch per rank that fits:")
+        lines.append("largest micro-batch per rank that fits (analytic: not executed):")
         lines += [f"  {n:>6}  {plan}" for plan, n in data["max_micro_batch"].items()]
     lines += [f"warning: {w}" for w in data["warnings"]]
     return "\n".join(lines)

@@ -29,24 +29,39 @@ class RecordedScript:
 
 def recorded_script(meta, trace_path: str | os.PathLike = "trace") -> RecordedScript:
     """The script ``meta`` recorded, or one line saying why it cannot be run again."""
+    script, problem = locate_script(meta, trace_path)
+    if script is not None:
+        return script
     if not meta.script:
-        raise UserError(f"{trace_path}: the trace names no script (imported from a snapshot?): "
-                        "--verify needs a trace written by `memadvisor profile`")
+        raise UserError(f"{trace_path}: {problem}: --verify needs a trace written by "
+                        "`memadvisor profile`")
+    if problem.startswith("cannot read"):
+        raise UserError(problem)
+    where = problem.removeprefix("the profiled script ")
+    raise UserError(f"--verify runs the profiled script again, but {where}")
+
+
+def locate_script(meta, trace_path: str | os.PathLike = "trace"
+                  ) -> tuple[RecordedScript | None, str | None]:
+    """(the script ``meta`` recorded, None), or (None, why it cannot be run again: one
+    clause, e.g. 'the profiled script /x/train.py (recorded in run.trace) is not there any
+    more')."""
+    if not meta.script:
+        return None, "the trace names no script (imported from a snapshot?)"
     script = Path(meta.script)
     cwd = Path(meta.cwd) if meta.cwd else script.parent
     if not script.is_absolute():
         script = cwd / script
     if not script.is_file():
-        raise UserError(f"--verify runs the profiled script again, but {script} (recorded in "
-                        f"{trace_path}) is not there any more")
+        return None, (f"the profiled script {script} (recorded in {trace_path}) is not there "
+                      f"any more")
     if not cwd.is_dir():
         cwd = script.parent
     try:
         source = script.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {script}: {getattr(exc, 'strerror', None) or exc}") \
-            from None
-    return RecordedScript(path=script, args=list(meta.argv[1:]), cwd=cwd, source=source)
+        return None, f"cannot read {script}: {getattr(exc, 'strerror', None) or exc}"
+    return RecordedScript(path=script, args=list(meta.argv[1:]), cwd=cwd, source=source), None
 
 
 def rewritten(script: RecordedScript, plan: Plan):
