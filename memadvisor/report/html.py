@@ -141,8 +141,9 @@ def _headline(data: ReportData) -> str:
     rec = data.plans.recommended
     if rec is not None:
         which = "Recommended plan" if data.plans.requested == "budget" else "Plan"
-        verdict = {True: " (fits)", False: " (does not fit)", None: ""}[rec.fits]
-        lines.append(f"{which} <code>{e(rec.plan)}</code>: predicted peak "
+        verdict = {True: " (fits, by the analytic model: not executed)",
+                   False: " (does not fit)", None: " (analytic: not executed)"}[rec.fits]
+        lines.append(f"{which} <code>{e(rec.plan)}</code>: analytic peak "
                      f"{fb(rec.peak_bytes)}, step time ×{rec.step_time_factor:.2f}{verdict}")
     return f'<div id="headline" class="headline {cls}">{"<br>".join(lines)}</div>'
 
@@ -223,10 +224,13 @@ def _plans(page: _Page, data: ReportData) -> str:
         rows.append([f"<code>{e(plan.plan)}</code>", fb(plan.peak_bytes), fb(plan.reserved_bytes),
                      f"×{plan.step_time_factor:.2f}", fits, changes])
         classes.append("recommended" if plan is p.recommended else "")
-    table = _table([("plan", ""), ("predicted peak", "num"), ("reserved", "num"),
-                    ("step time", "num"), ("fits", ""), ("what changes", "")], rows, classes,
-                   table_id="plan-table")
-    parts = [title, table]
+    table = _table([("plan", ""), ("analytic peak", "num"), ("reserved", "num"),
+                    ("step time", "num"), ("fits (analytic)", ""), ("what changes", "")], rows,
+                   classes, table_id="plan-table")
+    from ..verify.policy import report_note  # the figures are analytic: said, not executed
+    device_type = "cuda" if str(data.trace.meta.device).startswith("cuda") else "cpu"
+    parts = [title, f'<p class="meta" id="plans-basis">{e(report_note(device_type))}</p>',
+             table]
     if p.message:
         parts.append(f'<p class="notice">{e(p.message)}</p>')
     rec = p.recommended

@@ -116,3 +116,17 @@ def fits_line(summary: dict, device_type: str) -> str:
         return f"fits: analytic, UNVERIFIED -- {reason}; {miss}"
     return (f"fits: analytic, unverified -- `--verify K` runs the top K plans for real on "
             f"this CPU (slow: each runs its steps at the recorded size); {miss}")
+
+
+def report_note(device_type: str) -> str:
+    """What ``report``'s plan section says of its figures: analytic, never executed (a report
+    stays fast); ``advise`` is where plans are executed."""
+    if device_type == "cuda":
+        return (f"Analytic predictions: no plan was executed. On a real H100 the analytic "
+                f"model under-predicted plans' peaks by up to {GPU_ANALYTIC_WORST_UNDER:.1%} "
+                f"(docs/GPU_TRUTH.md); `memadvisor advise TRACE --budget SIZE` executes the "
+                f"top {DEFAULT_GPU_PLANS} on a simulated GPU before it calls one a fit.")
+    return (f"Analytic predictions: no plan was executed. Over the script zoo the analytic "
+            f"peak was up to {CPU_ANALYTIC_WORST_UNDER:.1%} under the real run's "
+            f"(docs/ACCURACY.md); `memadvisor advise TRACE --budget SIZE --verify K` runs the "
+            f"top K for real on this CPU.")

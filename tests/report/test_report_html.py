@@ -134,6 +134,10 @@ def test_plan_table_and_predicted_timeline(traces, fake_simulator):
     assert "&lt;b&gt;checkpoint=auto&lt;/b&gt;" in rows[1][1]
     assert "&lt;script&gt;alert(3)&lt;/script&gt;" in rows[1][1]
     assert "Recommended plan <code>precision=amp-bf16</code>" in page
+    # the figures are the analytic model's, never executed by a report: said so
+    assert "(fits, by the analytic model: not executed)" in page
+    assert 'id="plans-basis">Analytic predictions: no plan was executed.' in page
+    assert '<th class="">fits (analytic)</th>' in table and "analytic peak" in table
     predicted = figures_of(page)["fig-plan-timeline"]
     assert [t["name"] for t in predicted["data"]] == ["measured", "predicted"]
 
