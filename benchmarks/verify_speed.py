@@ -5,7 +5,7 @@
 
 Profiles examples/gpt_lm.py for real on this CPU (3 steps, d_model 64: many small ops,
 so the trace is long while the model stays small), then times, side by side in one run,
-`advise TRACE --budget B --gpus 2 --gpu h100-80gb` without and with `--verify 5` (fake
+`advise TRACE --budget B --gpus 2 --gpu h100-80gb` with `--verify 0` and with `--verify 5` (fake
 execution of the top five plans on a simulated H100, ranks 0 and 1).  The budget is 80% of
 the baseline's peak on the GPU so that plans must save memory.  Prints the trace's events,
 both wall times, what verification added, and per executed plan its seconds and the
@@ -62,7 +62,7 @@ def main() -> int:
               "--json")
     load_before = os.getloadavg()[0]
     started = time.monotonic()
-    plain = _cli(*common, cwd=folder)
+    plain = _cli(*common, "--verify", "0", cwd=folder)  # a GPU target verifies by default
     plain_s = time.monotonic() - started
     started = time.monotonic()
     verified = _cli(*common, "--verify", str(options.verify), cwd=folder)
