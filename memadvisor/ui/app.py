@@ -40,6 +40,12 @@ GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 PLAN_WAIT_S = 5.0
 PLAN_POLL_MS = 250
 PLAN_POLL_WAIT_S = 0.2
+#: a clientside callback that passes its input on once the browser has drawn a frame (the
+#: page's answer so far on screen) and run what that frame scheduled
+AFTER_NEXT_FRAME = """async function(value) {
+    await new Promise(done => requestAnimationFrame(() => setTimeout(done, 0)));
+    return value;
+}"""
 
 MOMENT_COLUMNS = [("bytes", "bytes"), ("category", "category"), ("op", "op"),
                   ("module", "module"), ("dtype", "dtype"), ("shape", "shape"),
@@ -177,7 +183,7 @@ def layout(board: Dashboard, budget_text: str = "") -> html.Div:
                  section_id="timeline-section"),
         _section("What is alive at this moment",
                  html.P(moment_caption, id="moment-caption"),
-                 dcc.Store(id="moment-key"),
+                 dcc.Store(id="moment-key"), dcc.Store(id="moment-drawn"),
                  html.Div([
                      html.Div(dcc.Graph(id="moment-breakdown", figure=moment_figure,
                                         config=GRAPH_CONFIG),
@@ -241,7 +247,12 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
         caption, rows = board.moment_table(step, click_data)
         return caption, rows, {"step": step, "click": click_data}
 
-    @app.callback(Output("moment-breakdown", "figure"), Input("moment-key", "data"),
+    # the chart is asked once the page has drawn the table (a frame later): its answer,
+    # redrawn by plotly, would otherwise hold up the grid's rows behind it
+    app.clientside_callback(AFTER_NEXT_FRAME, Output("moment-drawn", "data"),
+                            Input("moment-key", "data"), prevent_initial_call=True)
+
+    @app.callback(Output("moment-breakdown", "figure"), Input("moment-drawn", "data"),
                   prevent_initial_call=True)
     def _moment_breakdown(key):
         key = key if isinstance(key, dict) else {}

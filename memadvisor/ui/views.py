@@ -22,6 +22,8 @@ from .plans import PlanAdvisor, PlanRanking
 
 #: moments kept (a click's table and chart are two requests; a step's peak is asked again)
 KEPT_MOMENTS = 8
+#: the fields of a moment's storages the page's grid shows (``app.MOMENT_COLUMNS``)
+MOMENT_FIELDS = ("bytes", "category", "op", "module", "dtype", "shape", "source", "function")
 
 
 def parse_budget(text: Any) -> int | None:
@@ -126,9 +128,9 @@ class Dashboard:
         caption = (f"At {where}: {format_bytes(m.live_bytes)} live at {m.time_ms:.3f} ms "
                    f"(event {m.seq}, {m.phase}, {m.module or '(top level)'}, "
                    f"{m.op or '?'}); {shown}, largest first.")
-        # row_id: what the grid knows a row by (a string), so a storage alive at both
-        # moments keeps its row
-        rows = [dict(r, size=format_bytes(r["bytes"]), row_id=str(r["storage_id"]))
+        # only what the grid shows goes to the page, and row_id: what the grid knows a row
+        # by (a string), so a storage alive at both moments keeps its row
+        rows = [{**{name: r[name] for name in MOMENT_FIELDS}, "row_id": str(r["storage_id"])}
                 for r in m.rows]
         return caption, rows
 
