@@ -277,7 +277,8 @@ def _execute(indexes: list[int], result, script, meta, hw) -> list[dict]:
         return compare(prediction, verification, result.usable_bytes)
 
     click.echo(f"memadvisor: executing plan{'s' if len(indexes) > 1 else ''} "
-               f"{', '.join(str(i + 1) for i in indexes)} to verify them ...", err=True)
+               f"{', '.join(str(i + 1) for i in indexes)} to verify "
+               f"{'them' if len(indexes) > 1 else 'it'} ...", err=True)
     # fake executions wait for a slot (ChildSlots) once rewritten: every plan gets a thread
     workers = len(indexes) if fake else 1
     with (ChildServer() if fake else contextlib.nullcontext()) as server, \
