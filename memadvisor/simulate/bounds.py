@@ -214,6 +214,9 @@ class LayoutBounds:
         if "ddp" in self.additions:
             self.additions["zero1"] = self.additions["ddp"]
         self.share: dict[int, float] = {}
+        #: ``_best`` by its inputs: plans that scale every group alike (world x accum the
+        #: same under ddp, say) have one peak, found once
+        self.known: dict[tuple, float] = {}
 
     # --- columns ------------------------------------------------------------------------
     def _column(self, group: int, ranks: int) -> _Column:
@@ -283,6 +286,14 @@ class LayoutBounds:
         return int(round(best))
 
     def _best(self, columns, added, multipliers, ranks, middle: bool) -> float:
+        # ``columns`` follow from the multipliers and ranks: they need not be in the key
+        key = (middle, id(added), multipliers.tobytes(), ranks.tobytes())
+        best = self.known.get(key)
+        if best is None:
+            best = self.known[key] = self._best_of(columns, added, multipliers, ranks, middle)
+        return best
+
+    def _best_of(self, columns, added, multipliers, ranks, middle: bool) -> float:
         if middle:
             starts, ends = self.mid_starts, self.mid_ends
             bound = sum(m * c.mid_max for c, m in columns) if columns else np.zeros(len(starts))

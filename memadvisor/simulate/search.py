@@ -146,9 +146,10 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     # model has dropped plans whose reserved memory does not fit
     ranked.sort(key=key)
     cpu_seconds["plans shown"] = time.process_time() - started - sum(cpu_seconds.values())
+    bounds = _LastLayout()  # the plans run in layout order: one layout's bounds at a time
     sizes = _in_layout_order(base, hw, [p.plan for p in ranked[:3]], cache, stage_keys,
                              lambda plan: max_micro_batch(
-                                 base, plan, hw, usable, cache=cache, bounds_cache={},
+                                 base, plan, hw, usable, cache=cache, bounds_cache=bounds,
                                  expandable_segments=expandable_segments))
     best = {p.plan.to_compact(): size for p, size in zip(ranked[:3], sizes)}
     cpu_seconds["micro-batch"] = time.process_time() - started - sum(cpu_seconds.values())
@@ -231,6 +232,17 @@ def _in_layout_order(base: Baseline, hw: Hardware, plans: list[Plan], cache: dic
         entries.update(keys[index])
         results[index] = work(plans[index])
     return results
+
+
+class _LastLayout(dict):
+    """A ``bounds_cache`` that keeps the last layout's bounds only (plans sharing a layout
+    run in a row): asked for another layout, it lets the last one go before that one is
+    built."""
+
+    def get(self, key, default=None):
+        if key not in self:
+            self.clear()
+        return super().get(key, default)
 
 
 def _complexity(plan: Plan) -> int:
