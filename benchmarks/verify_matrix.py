@@ -3,6 +3,7 @@
     python benchmarks/verify_matrix.py                          # every zoo script x PLANS
     python benchmarks/verify_matrix.py --only vae,moe --plans accum=2,shard=zero2,world=2
     python benchmarks/verify_matrix.py --markdown docs/ACCURACY_ZOO.md --json out.json
+    python benchmarks/verify_matrix.py --measured-from docs/ACCURACY.md   # re-predict only
 
 Per zoo script (``zoo/``, run with its defaults): one real profile on this CPU (3 steps),
 then per plan, all through the CLI a user has:
@@ -131,13 +132,41 @@ def gpu_markdown(rows: list[dict], gpu: str, command: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def run_case(script, trace: Path, plan: str, gpu: str | None, fsdp_runs: int) -> dict:
+def measured_from(path: Path) -> dict[tuple[str, str], int]:
+    """(script, plan) -> measured peak, read from a Markdown table of an earlier run (the
+    ``| script | `plan` | measured | ...`` rows this benchmark prints; docs/ACCURACY.md's
+    "Every case") or its ``--json`` output."""
+    text = path.read_text()
+    if path.suffix == ".json":
+        return {(r["script"], r["plan"]): r["measured"] for r in json.loads(text)
+                if r.get("measured") is not None}
+    found = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[1].startswith("`") and cells[2][:1].isdigit():
+            found.setdefault((cells[0], cells[1].strip("`")),
+                             int(cells[2].split()[0].replace(",", "")))
+    return found
+
+
+def run_case(script, trace: Path, plan: str, gpu: str | None, fsdp_runs: int,
+             reference: dict | None = None, skip_executed: bool = False) -> dict:
     row = {"script": script.name, "plan": plan}
     analytic, why = _simulate(trace, plan)
     if analytic is None:
         return {**row, "skipped": why}
     row["analytic"] = analytic["peak_bytes"]
-    executed, why = _simulate(trace, plan, "--verify", "--verify-by", "fake")
+    if reference is not None:
+        # the measurement of an earlier run (apply's side unchanged since): only the
+        # analytic prediction is made again
+        if (script.name, plan) not in reference:
+            return {**row, "skipped": "measured: not in the reference"}
+        return {**row, "executed": None, "executed_failed": "not run (--measured-from)",
+                "measured": reference[(script.name, plan)]}
+    if skip_executed:
+        executed, why = None, "not run (--skip-executed)"
+    else:
+        executed, why = _simulate(trace, plan, "--verify", "--verify-by", "fake")
     if why and ("cannot rewrite" in why or "PlanError" in why):
         return {**row, "skipped": f"executed: {why}"}  # apply refuses the plan itself
     # a fake run that fails (values it cannot know) leaves the analytic case to measure
@@ -245,6 +274,12 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="folder for the traces (reused)")
     parser.add_argument("--advise", type=float, metavar="FRACTION",
                         help="only: advise at FRACTION of each script's peak, its plan measured")
+    parser.add_argument("--measured-from", type=Path, metavar="FILE",
+                        help="reuse the measured peaks of an earlier run (its --json, or a "
+                             "Markdown table such as docs/ACCURACY.md's 'Every case') and "
+                             "only predict again (minutes instead of an hour)")
+    parser.add_argument("--skip-executed", action="store_true",
+                        help="leave out the fake-CPU execution (analytic and measured only)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     options = parser.parse_args()
@@ -254,6 +289,7 @@ def main() -> int:
     plans = options.plans.split(";") if options.plans else PLANS
     scripts = [s for s in zoo_scripts() if (names is None or s.name in names)
                and not s.missing_package()]
+    reference = measured_from(options.measured_from) if options.measured_from else None
     folder = options.keep or Path(tempfile.mkdtemp(prefix="verify-matrix-"))
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -273,7 +309,8 @@ def main() -> int:
         out = []
         for plan in plans:
             row = (gpu_case(script, trace, plan, options.gpu) if options.gpu_only else
-                   run_case(script, trace, plan, options.gpu, options.fsdp_runs))
+                   run_case(script, trace, plan, options.gpu, options.fsdp_runs, reference,
+                            options.skip_executed))
             print(json.dumps(row), flush=True)
             out.append(row)
         return out

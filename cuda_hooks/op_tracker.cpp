@@ -110,12 +110,18 @@ struct OpInfo {
   bool to_copy;    // aten::_to_copy (autocast's weight cast)
 };
 
+// An op's recorded inputs: the first MAX_READ tensor arguments with a storage we know
+// (RecordFunction's inputs are only valid in the start callback: read there)
+constexpr int MAX_READ = 8;
+
 struct Frame {
   int32_t op;
   bool charged;
   bool param_cast;
   int32_t source;  // -2: not read yet for this op
   std::vector<int64_t> flop_args;
+  int32_t n_read = 0;
+  std::array<int64_t, MAX_READ> read{};
 };
 
 // The events, in chunks of 2^16 (4 MiB) that never move: appending costs no more at
@@ -169,6 +175,10 @@ struct T {
   SpinLock mu;  // the books: events, live blocks, marks, calls
   EventLog events;
   std::vector<int64_t> shapes;  // [ndim, d0, d1, ...] records
+  // data flow: the storage ids each allocating op read (input_pool), and per output
+  // alloc event where its op's ids start and how many there are
+  std::vector<int64_t> input_pool;
+  std::vector<std::array<int64_t, 3>> input_refs;  // {event, start, count}
   AddressMap<Live> live;
   std::unordered_map<int64_t, int32_t> marks;   // sid -> category
   std::unordered_map<int64_t, int32_t> owners;  // sid -> module id
@@ -684,7 +694,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   T& t = tt();
   // always push, so that the end callback always pops its own frame
   if (!t.on.load(std::memory_order_relaxed)) {
-    t_stack.push_back(Frame{-1, false, false, -1, {}});
+    t_stack.push_back(Frame{-1, false, false, -1, {}, 0, {}});
     return nullptr;
   }
   OpInfo info = op_info(fn);
@@ -692,7 +702,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   // ops other threads run (OpenMP workers inside a kernel, gloo) are part of the op the
   // script's thread runs: never charged, so their blocks stay that op's raw bytes
   bool charged = script_thread && t_charged < 0 && !info.composite;
-  t_stack.push_back(Frame{info.id, charged, false, -2, {}});
+  t_stack.push_back(Frame{info.id, charged, false, -2, {}, 0, {}});
   if (!charged) return nullptr;
   t_charged = static_cast<int>(t_stack.size()) - 1;
   Frame& frame = t_stack.back();
@@ -737,6 +747,11 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
     });
     t.unattributed.clear();
   }
+  each_tensor(inputs, [&](const at::Tensor& x) {
+    if (frame.n_read >= MAX_READ) return;
+    auto it = t.live.find(storage_ptr(x));
+    if (it != nullptr) frame.read[frame.n_read++] = it->sid;
+  });
   if (info.to_copy && !inputs.empty() && inputs[0].isTensor()) {
     auto it = t.live.find(storage_ptr(inputs[0].toTensor()));
     if (it != nullptr) {
@@ -785,6 +800,7 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
     for (const auto& v : outputs) encode(v, flop_args);
   }
   BooksGuard g(t.mu);
+  int64_t inputs_at = -1, inputs_count = 0;  // this op's read ids, once it made an output
   each_tensor(outputs, [&](const at::Tensor& x) {
     auto it = t.live.find(storage_ptr(x));
     if (it == nullptr) return;
@@ -794,6 +810,13 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
       a.shape = static_cast<int64_t>(t.shapes.size());
       t.shapes.push_back(x.dim());
       for (int64_t d : x.sizes()) t.shapes.push_back(d);
+      if (inputs_at < 0) {
+        inputs_at = static_cast<int64_t>(t.input_pool.size());
+        t.input_pool.insert(t.input_pool.end(), frame.read.begin(),
+                            frame.read.begin() + frame.n_read);
+        inputs_count = frame.n_read;
+      }
+      if (inputs_count) t.input_refs.push_back({it->ev, inputs_at, inputs_count});
     }
     if (frame.param_cast) mark_sid_locked(t, it->sid, AUTOCAST_WEIGHT);
   });
@@ -840,7 +863,7 @@ std::unique_ptr<at::ObserverContext> on_backward_node(const at::RecordFunction& 
 using tracker::tt;
 
 MA_API int ma_t_api_version(void) {
-  return 1;
+  return 2;  // 2: data flow (ma_t_*input*)
 }
 
 // Starts tracking: installs the allocator hook (if not yet), the listeners and
@@ -1098,6 +1121,29 @@ MA_API void ma_t_copy_shapes(int64_t* out, int64_t n) {
   n = std::min<int64_t>(n, static_cast<int64_t>(t.shapes.size()));
   std::memcpy(out, t.shapes.data(), static_cast<size_t>(n) * sizeof(int64_t));
 }
+MA_API int64_t ma_t_input_pool_count(void) {
+  auto& t = tt();
+  BooksGuard g(t.mu);
+  return static_cast<int64_t>(t.input_pool.size());
+}
+MA_API void ma_t_copy_input_pool(int64_t* out, int64_t n) {
+  auto& t = tt();
+  BooksGuard g(t.mu);
+  n = std::min<int64_t>(n, static_cast<int64_t>(t.input_pool.size()));
+  if (n > 0) std::memcpy(out, t.input_pool.data(), static_cast<size_t>(n) * sizeof(int64_t));
+}
+MA_API int64_t ma_t_input_ref_count(void) {
+  auto& t = tt();
+  BooksGuard g(t.mu);
+  return static_cast<int64_t>(t.input_refs.size());
+}
+// {event, start, count} triples
+MA_API void ma_t_copy_input_refs(int64_t* out, int64_t n) {
+  auto& t = tt();
+  BooksGuard g(t.mu);
+  n = std::min<int64_t>(n, static_cast<int64_t>(t.input_refs.size()));
+  if (n > 0) std::memcpy(out, t.input_refs.data(), static_cast<size_t>(n) * 3 * sizeof(int64_t));
+}
 // marks and owners as (sid, value) pairs; the copies return how many were copied
 namespace tracker {
 using SidMap = std::unordered_map<int64_t, int32_t>;
@@ -1229,6 +1275,8 @@ MA_API void ma_t_reset(void) {
     t.events.clear();
     t.unattributed.clear();
     t.shapes.clear();
+    t.input_pool.clear();
+    t.input_refs.clear();
     t.live.clear();
     t.marks.clear();
     t.owners.clear();

@@ -53,6 +53,7 @@ class TrackingMode(TorchDispatchMode):
         op_name = self._op_names.get(func)
         if op_name is None:
             op_name = self._op_names[func] = _op_name(func)
+        read = []  # the storages this op reads: the data flow its outputs record
         for tensor in _tensors(args, kwargs):
             storage = _storage(tensor)
             if storage is None:
@@ -64,9 +65,13 @@ class TrackingMode(TorchDispatchMode):
                     and recorder.category_of(storage) is None:
                 # made between steps and fed to the forward: the batch (or targets)
                 recorder.mark(storage, schema.INPUT)
+            sid = recorder.lookup(storage)
+            if sid is not None:
+                read.append(sid)
+        inputs = tuple(read)
         out = func(*args, **kwargs)
         if native is not None:
-            self._absorb_native(native.drain_lists(), out, op_name, first_seq)
+            self._absorb_native(native.drain_lists(), out, op_name, first_seq, inputs)
         cast = func in self.autocast_cast_ops
         for tensor in _tensors(out, None):
             storage = _storage(tensor)
@@ -77,7 +82,7 @@ class TrackingMode(TorchDispatchMode):
                     recorder.check_resize(storage, op_name, self._shape(tensor),
                                           self.locator.locate(2))
                 continue
-            self._log_alloc(tensor, storage, op_name)
+            self._log_alloc(tensor, storage, op_name, inputs=inputs)
         if cast and _is_parameter_cast(recorder, args):
             # autocast's low-precision copy of a weight (cached for the whole forward)
             for storage in map(_storage, _tensors(out, None)):
@@ -104,7 +109,8 @@ class TrackingMode(TorchDispatchMode):
         # bound once: a plain ctypes call is the cheapest way to ask it per op
         self._native_next_seq = None if hook is None else hook._lib.ma_next_seq
 
-    def _absorb_native(self, drained, out, op_name: str, first_seq: int) -> None:
+    def _absorb_native(self, drained, out, op_name: str, first_seq: int,
+                       inputs: tuple[int, ...] = ()) -> None:
         """Merge the allocator hook's events of one op, in the allocator's order: output
         storages are logged where they were allocated, kernel-internal blocks (oneDNN
         scratch, reorders) as raw buffers, so the peak inside the op is exact.  Events
@@ -136,7 +142,7 @@ class TrackingMode(TorchDispatchMode):
                     # the allocation can be larger than the storage (oneDNN rounds up)
                     size = max(size, storage.nbytes())
                     if self.recorder.lookup(storage) is None:
-                        self._log_alloc(tensor, storage, op_name, size)
+                        self._log_alloc(tensor, storage, op_name, size, inputs)
                     else:
                         self.recorder.check_resize(storage, op_name, self._shape(tensor),
                                                    self.locator.locate(2), size)
@@ -149,7 +155,8 @@ class TrackingMode(TorchDispatchMode):
                 if row is not None:
                     self.recorder.internal_free(row)
 
-    def _log_alloc(self, tensor, storage, op_name: str, size_bytes: int | None = None) -> None:
+    def _log_alloc(self, tensor, storage, op_name: str, size_bytes: int | None = None,
+                   inputs: tuple[int, ...] = ()) -> None:
         device = tensor.device
         if device.type in _SKIP_DEVICES:
             return
@@ -164,7 +171,7 @@ class TrackingMode(TorchDispatchMode):
         if dtype is None:
             dtype = self._dtype_names[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
         self.recorder.alloc(storage, str(device), dtype, self._shape(tensor), op_name,
-                            self.locator.locate(3), size_bytes)
+                            self.locator.locate(3), size_bytes, inputs)
 
     def _shape(self, tensor) -> str:
         size = tensor.shape

@@ -37,7 +37,7 @@ from .native import NativeHookUnavailable
 from .recorder import CATEGORY_PRIORITY
 
 SOURCE_NAME = "op_tracker.cpp"
-API_VERSION = 1
+API_VERSION = 2  #: 2: data flow (input_ids)
 
 PHASE_CODES = {schema.OTHER_PHASE: 0, schema.FORWARD: 1, schema.BACKWARD: 2,
                schema.OPTIMIZER: 3}
@@ -95,6 +95,10 @@ _SIGNATURES = {
     "ma_t_copy_events": (None, [_P, _I64]),
     "ma_t_shape_count": (_I64, []),
     "ma_t_copy_shapes": (None, [_P, _I64]),
+    "ma_t_input_pool_count": (_I64, []),
+    "ma_t_copy_input_pool": (None, [_P, _I64]),
+    "ma_t_input_ref_count": (_I64, []),
+    "ma_t_copy_input_refs": (None, [_P, _I64]),
     "ma_t_mark_count": (_I64, []),
     "ma_t_copy_marks": (_I64, [_P, _P, _I64]),
     "ma_t_owner_count": (_I64, []),
@@ -526,7 +530,29 @@ class NativeRecorder:
         columns["source_file"] = files[source_index].tolist()
         columns["source_line"] = lines[source_index]
         columns["source_function"] = funcs[source_index].tolist()
+        columns["input_ids"] = self._input_ids(n)
         return events_table(columns)
+
+    def _input_ids(self, n: int) -> pa.Array:
+        """The trace's ``input_ids``: per output alloc event, the ids its op read."""
+        lib = self._lib
+        pool = np.empty(lib.ma_t_input_pool_count(), np.int64)
+        if len(pool):
+            lib.ma_t_copy_input_pool(pool.ctypes.data, len(pool))
+        refs = np.empty((lib.ma_t_input_ref_count(), 3), np.int64)
+        if len(refs):
+            lib.ma_t_copy_input_refs(refs.ctypes.data, len(refs))
+        refs = refs[(refs[:, 0] < n) & (refs[:, 1] + refs[:, 2] <= len(pool))]
+        refs = refs[np.argsort(refs[:, 0], kind="stable")]
+        refs = refs[np.concatenate([[True], np.diff(refs[:, 0]) > 0])] if len(refs) else refs
+        counts = np.zeros(n, np.int64)
+        counts[refs[:, 0]] = refs[:, 2]
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        # each ref's ids, in event order: pool[start + 0 .. start + count - 1]
+        starts = np.repeat(refs[:, 1], refs[:, 2])
+        within = np.arange(len(starts)) - np.repeat(offsets[:-1][refs[:, 0]], refs[:, 2])
+        values = pool[starts + within] if len(starts) else np.zeros(0, np.int64)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int64()))
 
     def op_stats(self) -> dict[tuple[str, str, str], list[int]]:
         """(module, phase, op) -> [calls, FLOPs], like the dispatch engine's."""

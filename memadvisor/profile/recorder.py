@@ -55,6 +55,8 @@ class EventRecorder:
         #: it was handled (fake execution merges autograd's accumulations: ``merge_into``)
         self.on_free = None
         self.pending_merge = None  #: owned by on_free's provider
+        #: alloc row -> storage ids the op that made it read (the trace's ``input_ids``)
+        self.row_inputs: dict[int, tuple[int, ...]] = {}
 
     # --- storages --------------------------------------------------------------------
     def lookup(self, storage) -> int | None:
@@ -70,11 +72,15 @@ class EventRecorder:
         return None if entry is None else self.rows[entry[1]][_PHASE]
 
     def alloc(self, storage, device: str, dtype: str, shape: str, op: str,
-              source: tuple[str, int, str], size_bytes: int | None = None) -> int:
+              source: tuple[str, int, str], size_bytes: int | None = None,
+              inputs: tuple[int, ...] = ()) -> int:
         """Log a storage we have not seen; returns its sid.  ``size_bytes`` is the
-        allocator's block size where the native hook saw it (else the storage's bytes)."""
+        allocator's block size where the native hook saw it (else the storage's bytes);
+        ``inputs``: the storage ids the op making it read."""
         cdata = storage._cdata
         size = storage.nbytes() if size_bytes is None else size_bytes
+        if inputs:
+            self.row_inputs[len(self.rows)] = inputs
         sid = self._log_alloc(cdata, size, device, dtype, shape, op, self.module,
                               source)
         # keyed by the storage's address, not the sid: a resize gives the storage a new sid
@@ -124,6 +130,7 @@ class EventRecorder:
         dying = self._live.pop(dying_cdata)
         result_sid = self._live[result_cdata][0]
         row = self.rows.pop(result_row)
+        self.row_inputs.pop(result_row, None)
         self._unlog_alloc(row)
         mark = self._marks.pop(result_sid, None)
         if mark is not None:
@@ -268,4 +275,6 @@ class EventRecorder:
         columns["source_file"] = cols[_FILE]
         columns["source_line"] = np.asarray(cols[_LINE], dtype=np.int32)
         columns["source_function"] = cols[_FUNC]
+        inputs = self.row_inputs
+        columns["input_ids"] = [inputs.get(row, ()) for row in range(n)] if inputs else None
         return events_table(columns)

@@ -378,7 +378,7 @@ def data_sized_kernel_blocks(timeline: Timeline, low_now: np.ndarray) -> np.ndar
     out = np.zeros(len(timeline), bool)
     raw = np.flatnonzero(timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
                          & (timeline.phase == _BACKWARD) & (timeline.size > 0))
-    if not len(raw) or not len(low_now):
+    if not len(low_now):
         return out
     conv = np.array(["convolution" in op or op in DTYPE_INDEPENDENT_BLOCKS
                      for op in timeline.ops] or [False])
@@ -386,4 +386,28 @@ def data_sized_kernel_blocks(timeline: Timeline, low_now: np.ndarray) -> np.ndar
     low_keys = set(zip(timeline.module[low_now].tolist(), timeline.size[low_now].tolist()))
     for row in raw:
         out[row] = (int(timeline.module[row]), float(timeline.size[row])) in low_keys
+    out |= saved_inplace_copies(timeline, low_now)
+    return out
+
+
+def saved_inplace_copies(timeline: Timeline, low_now: np.ndarray) -> np.ndarray:
+    """A forward raw block autograd keeps for backward is the copy an in-place op makes of
+    its input before overwriting it (``silu_``, ``hardswish_``: their backward needs the
+    input), taken inside the op, so no tensor names it: it is as large as that input, the
+    latest forward tensor of its size made before it, and 16-bit where that one became
+    16-bit."""
+    out = np.zeros(len(timeline), bool)
+    forward = (timeline.phase == _FORWARD) & (timeline.alloc_key >= 0)
+    raw = np.flatnonzero(forward & timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
+                         & timeline.category_mask(schema.ACTIVATION) & (timeline.size > 0))
+    if not len(raw):
+        return out
+    typed = np.flatnonzero(forward & ~timeline.dtype_in((schema.RAW_BYTES_DTYPE,)))
+    is_low = np.zeros(len(timeline), bool)
+    is_low[low_now] = True
+    for row in raw:
+        same = typed[(timeline.size[typed] == timeline.size[row])
+                     & (timeline.alloc_key[typed] < timeline.alloc_key[row])]
+        if len(same):
+            out[row] = is_low[same[np.argmax(timeline.alloc_key[same])]]
     return out

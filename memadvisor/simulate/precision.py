@@ -32,7 +32,7 @@ import pandas as pd
 from ..trace import schema
 from .hardware import device_rules
 from .kernel_blocks import (data_sized_kernel_blocks, dims_of, matmul_scratch,
-                            probed_conv_blocks)
+                            probed_conv_blocks, saved_inplace_copies)
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, DTYPE_BYTES
 
 _FORWARD = PHASE_CODE[schema.FORWARD]
@@ -54,6 +54,9 @@ PASS_THROUGH = frozenset({
     # masked_fill fills in its input's dtype (softmax: above)
     "aten::native_group_norm", "aten::native_layer_norm",
     "aten::masked_fill"})
+_NORMS = frozenset({"aten::native_group_norm", "aten::native_layer_norm",
+                    "aten::native_batch_norm", "aten::_native_batch_norm_legit",
+                    "aten::_native_batch_norm_legit_functional", "aten::cudnn_batch_norm"})
 LOW_DTYPES = {"amp-bf16": "bfloat16", "bf16": "bfloat16", "amp-fp16": "float16"}
 #: autocast's "promote" ops: the widest input dtype
 _PROMOTE = frozenset({"aten::cat", "aten::stack", "aten::index_copy"})
@@ -146,7 +149,11 @@ def _pure_bf16(timeline: Timeline, device_type: str) -> Timeline:
     data = (timeline.phase == PHASE_CODE[schema.OTHER_PHASE]) & timeline.category_mask(
         schema.INPUT, schema.OTHER, schema.TEMPORARY, schema.ACTIVATION)
     sdpa = _sdpa_math_rows(timeline, device_type)
-    out = _resize_to(timeline, ~keep_fp32 & ~scalar & ~data & ~sdpa, "bfloat16")
+    lowered = ~keep_fp32 & ~scalar & ~data & ~sdpa
+    out = _resize_to(timeline, lowered, "bfloat16")
+    copies = saved_inplace_copies(timeline, np.flatnonzero(lowered & timeline.dtype_in(
+        ("float32",))))
+    out = out.resized(np.where(copies, out.size / 2, out.size))
     island = np.flatnonzero(keep_fp32 & (timeline.phase == _FORWARD) & (timeline.size > 4))
     if len(island):
         first = island[np.argmin(timeline.alloc_key[island])]
@@ -296,8 +303,11 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     module, op = timeline.module[forward], timeline.op[forward]
     kinds = np.select([sdpa[forward], dropout[module], promote[op]], [4, 3, 5],
                       kind_of_op[op]).astype(np.int8)
-    low_rows = _low_rows(kinds, owns[module])
-    casts = _input_cast_rows(timeline, forward, kinds, low_rows)
+    low_rows = _low_rows_by_flow(timeline, forward, kinds, _low_rows(kinds, owns[module]))
+    casts = _input_cast_rows_by_flow(timeline, forward, kinds, low_rows) \
+        if timeline.reads is not None else None
+    if casts is None:
+        casts = _input_cast_rows(timeline, forward, kinds, low_rows)
     is_low[forward] = low_rows
     # backward tensors shaped like a 16-bit forward tensor of the same module
     backward = np.flatnonzero((timeline.phase == _BACKWARD)
@@ -406,6 +416,95 @@ def _low_rows(kinds: np.ndarray, owns: np.ndarray) -> np.ndarray:
     before = np.concatenate([[-1], last[:-1]])  # the last deciding row before each row
     inherited = np.where(before >= 0, hands_on[np.maximum(before, 0)], False)
     return np.where(follows, inherited, kinds == 2)
+
+
+def _low_rows_by_flow(timeline: Timeline, forward: np.ndarray, kinds: np.ndarray,
+                      guessed: np.ndarray) -> np.ndarray:
+    """``_low_rows`` where the trace records which storages each op read: an op on
+    neither autocast list runs in the dtype type promotion gives its floating inputs, as
+    autocast leaves it -- a residual add or a ``cat`` of two 16-bit tensors is 16-bit, a
+    product with an fp32 parameter (a LayerScale, an RMSNorm's weight) fp32, 0-d tensors
+    not counted where a tensor with dimensions is; an op that passes its data on (kind 3:
+    activations, dropout, norms outside the lists) takes the dtype of the first floating
+    input that is not a parameter or buffer; an op reading no floating tensor (factories,
+    an integer mask's ``float()``) keeps its recorded dtype.  Rows whose op's reads were
+    not recorded keep the guess (``guessed``: the rule without data flow)."""
+    reads = timeline.reads
+    if reads is None or not len(forward):
+        return guessed
+    floating = timeline.dtype_in(("float32", "float16", "bfloat16"))
+    scalar = np.asarray(timeline.shape == "", bool)
+    weights = timeline.category_mask(schema.PARAMETER, schema.BUFFER)
+    norm = timeline.op_in(_NORMS)
+    # what a reader of each row sees: 16-bit or not.  Rows outside the step's forward (the
+    # script's data, parameters) read as recorded (fp32)
+    seen_low = np.zeros(len(timeline), bool)
+    counts = reads.counts()
+    out = guessed.copy()
+    attention = np.array(["attention" in op for op in timeline.ops] or [False])
+    op_start = None  # (op, reads, dims) of the first output of the op running
+    for index, (row, kind) in enumerate(zip(forward.tolist(), kinds.tolist())):
+        group = (int(timeline.op[row]), tuple(reads.of(row).tolist()))
+        dims = len(str(timeline.shape[row]).split(",")) if timeline.shape[row] != "" else 0
+        if op_start is None or op_start[:2] != group:
+            op_start = (*group, dims)
+        if kind == 2 and attention[timeline.op[row]] and counts[row] and dims < op_start[2]:
+            # an attention kernel's per-row statistics (logsumexp) are fp32 whatever its
+            # inputs: fewer dimensions than its output
+            out[index] = False
+            continue
+        if kind == 2 or kind == 4:  # a low-precision op; attention's math path hands back 16-bit
+            seen_low[row] = True
+            continue
+        if kind == 1:
+            continue
+        if not counts[row]:
+            seen_low[row] = out[index]
+            continue
+        read = reads.of(row)
+        read = read[floating[read]]
+        if kind == 3:
+            read = read[~weights[read]][:1]
+            if len(read) and norm[row] and timeline.shape[row] != timeline.shape[read[0]]:
+                # a norm's statistics (mean, rstd) are kept in fp32 whatever its input
+                out[index] = seen_low[row] = False
+                continue
+        elif len(read) and not scalar[read].all():
+            read = read[~scalar[read]]
+        decided = bool(len(read)) and bool(seen_low[read].all())
+        out[index] = seen_low[row] = decided
+    return out
+
+
+def _input_cast_rows_by_flow(timeline: Timeline, forward: np.ndarray, kinds: np.ndarray,
+                             low_rows: np.ndarray) -> list[tuple[int, int]] | None:
+    """``_input_cast_rows`` from the recorded data flow: each low-precision op casts every
+    fp32 tensor it reads (autocast caches the casts of weights only, so an fp32 input read
+    by three Linears -- attention's query, key and value -- is cast three times).  Weights
+    (autocast's weight copies), the script's data (``_cast_inputs``) and 0-d tensors are
+    not counted here.  None where the step's low-precision ops have no recorded reads."""
+    reads = timeline.reads
+    ops = np.flatnonzero(kinds == 2)
+    if not len(ops) or not reads.counts()[forward[ops]].any():
+        return None
+    position = np.full(len(timeline), -1, np.int64)
+    position[forward] = np.arange(len(forward))
+    floating = timeline.dtype_in(("float32",))
+    candidate = floating & ~timeline.category_mask(schema.PARAMETER, schema.BUFFER) \
+        & (np.asarray(timeline.shape != "", bool)) & (position >= 0)
+    out, previous = [], (None, None)
+    for index in ops.tolist():
+        row = int(forward[index])
+        read = reads.of(row)
+        key = (int(timeline.op[row]), tuple(read.tolist()))
+        if key == previous[0] and previous[1] == index - 1:
+            previous = (key, index)  # another output of the same op
+            continue
+        previous = (key, index)
+        for source in dict.fromkeys(read.tolist()):
+            if candidate[source] and not low_rows[position[source]]:
+                out.append((source, row))
+    return out
 
 
 def _input_cast_rows(timeline: Timeline, forward: np.ndarray, kinds: np.ndarray,

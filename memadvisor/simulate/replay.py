@@ -24,7 +24,7 @@ import pandas as pd
 
 from ..trace import schema
 from ..trace.analysis import analysed_step, step_slice
-from ..trace.io import Trace
+from ..trace.io import Trace, id_lists
 
 CATEGORY_CODE = {name: code for code, name in enumerate(schema.CATEGORIES)}
 PHASE_CODE = {name: code for code, name in enumerate(schema.PHASES)}
@@ -62,6 +62,8 @@ class Timeline:
     event_is_alloc: np.ndarray
     #: row of the storage each event belongs to (-1 for rows added by techniques)
     event_row: np.ndarray
+    #: data flow: the rows each row's op read (``Reads``); None where the trace has none
+    reads: "Reads | None" = field(default=None, repr=False, compare=False)
     _order: np.ndarray | None = field(default=None, repr=False, compare=False)
     #: (order of the parent timeline, its row count, rows whose keys changed or None):
     #: lets ``order`` merge the few changed and added rows into the parent's order
@@ -140,7 +142,8 @@ class Timeline:
             base = getattr(self, name)
             extra = np.asarray(rows.get(name, defaults.get(name)), dtype=base.dtype)
             merged[name] = np.concatenate([base, extra])
-        out = replace(self, **merged, _order=None, _parent=None)
+        reads = self.reads.extended(count) if self.reads is not None else None
+        out = replace(self, **merged, reads=reads, _order=None, _parent=None)
         if self._order is not None:
             out._parent = (self._order, len(self), None)
         else:
@@ -235,6 +238,49 @@ class Timeline:
 
     def module_names(self) -> np.ndarray:
         return np.asarray(self.modules, dtype=object)[self.module]
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Which rows each row's op read (the trace's ``input_ids`` on the step's rows): row
+    ``i`` read ``rows[offsets[i]:offsets[i + 1]]``.  Rows a technique adds read nothing
+    recorded; storages read that are not rows of the step (made before it and gone) are
+    left out."""
+
+    offsets: np.ndarray  #: int64, len(timeline) + 1
+    rows: np.ndarray  #: int64 row indices
+
+    def of(self, row: int) -> np.ndarray:
+        return self.rows[self.offsets[row]:self.offsets[row + 1]]
+
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def extended(self, added_rows: int) -> "Reads":
+        return Reads(np.concatenate([self.offsets, np.full(added_rows, self.offsets[-1])]),
+                     self.rows)
+
+
+def _reads(events: pd.DataFrame, row_alloc: np.ndarray, ids: np.ndarray,
+           row_of_id: np.ndarray) -> Reads | None:
+    """The step's data flow from the events' ``input_ids`` (None where none recorded)."""
+    if "input_ids" not in events:
+        return None
+    offsets, values = id_lists(events)
+    if not len(values):
+        return None
+    starts, stops = offsets[row_alloc], offsets[row_alloc + 1]
+    counts = stops - starts
+    flat = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) \
+        + np.arange(int(counts.sum()))
+    sids = values[flat]
+    at = np.clip(np.searchsorted(ids, sids), 0, max(len(ids) - 1, 0))
+    found = (ids[at] == sids) if len(ids) else np.zeros(len(sids), bool)
+    rows = np.where(found, row_of_id[at], -1)
+    keep = rows >= 0
+    owner = np.repeat(np.arange(len(row_alloc)), counts)[keep]
+    new_offsets = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(row_alloc)))])
+    return Reads(new_offsets.astype(np.int64), rows[keep].astype(np.int64))
 
 
 FREE_FIRST = 1e-7  #: below the smallest key step techniques use (1 / events in a step)
@@ -395,6 +441,7 @@ def build_timeline(trace: Trace, step: int | None = None) -> Timeline:
         event_module=module_codes[start:stop],
         event_is_alloc=is_alloc[start:stop],
         event_row=row_of_id[inverse[start:stop]],
+        reads=_reads(events, row_alloc, ids, row_of_id),
     )
     assert timeline.modules == module_names
     return timeline

@@ -20,9 +20,11 @@ import pyarrow.parquet as pq
 from ..output_files import write_output
 from .validate import events_problem, meta_problem
 from .schema import (
-    COLUMNS, COLUMN_NAMES, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY, OPTIONAL_ZERO_COLUMNS,
-    TraceMeta,
+    COLUMNS, COLUMN_NAMES, FORMAT_NAME, FORMAT_VERSION, METADATA_KEY, OPTIONAL_LIST_COLUMNS,
+    OPTIONAL_ZERO_COLUMNS, TraceMeta,
 )
+
+_ID_LIST = pa.list_(pa.int64())
 
 
 class TraceError(Exception):
@@ -45,13 +47,46 @@ def _arrow_array(name: str, values: Sequence[Any]) -> pa.Array:
     kind = COLUMNS[name][0]
     if kind == "dict":
         return pa.array(values, type=pa.string()).dictionary_encode()
+    if kind == "list":
+        return _id_lists(values)
     return pa.array(values, type=getattr(pa, kind)())
+
+
+def _id_lists(values) -> pa.Array:
+    """A list<int64> column from a sequence of id lists, an Arrow array or an
+    Arrow-backed pandas column (kept as it is: no Python object per row)."""
+    if isinstance(values, pd.Series):
+        values = values.array
+    if isinstance(values, (pa.Array, pa.ChunkedArray)) or hasattr(values, "__arrow_array__"):
+        array = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(values)
+        if isinstance(array, pa.ChunkedArray):
+            array = array.combine_chunks()
+        return array.cast(_ID_LIST)
+    return pa.array([list(v) if v is not None else [] for v in values], type=_ID_LIST)
+
+
+def empty_id_lists(rows: int) -> pa.Array:
+    """``rows`` empty lists (a writer that records no data flow)."""
+    return pa.ListArray.from_arrays(pa.array(np.zeros(rows + 1, np.int32)),
+                                    pa.array([], pa.int64()))
+
+
+def id_lists(events: pd.DataFrame, column: str = "input_ids") -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of an id-list column: row ``i``'s ids are
+    ``values[offsets[i]:offsets[i + 1]]``.  Empty lists for a frame without the column."""
+    if column not in events:
+        return np.zeros(len(events) + 1, np.int64), np.zeros(0, np.int64)
+    array = _id_lists(events[column])
+    offsets = np.asarray(array.offsets, np.int64)
+    values = np.asarray(array.values, np.int64)
+    return offsets - offsets[0], values[offsets[0]:offsets[-1]]
 
 
 def events_table(columns: Mapping[str, Sequence[Any]]) -> pa.Table:
     """Build the events table from plain per-column sequences (all columns required but
     the allocator's, ``OPTIONAL_ZERO_COLUMNS``, which default to 0)."""
-    missing = [c for c in COLUMN_NAMES if c not in columns and c not in OPTIONAL_ZERO_COLUMNS]
+    missing = [c for c in COLUMN_NAMES if c not in columns and c not in OPTIONAL_ZERO_COLUMNS
+               and c not in OPTIONAL_LIST_COLUMNS]
     if missing:
         raise ValueError(f"event columns missing: {', '.join(missing)}")
     rows = len(columns["seq"])
@@ -60,6 +95,8 @@ def events_table(columns: Mapping[str, Sequence[Any]]) -> pa.Table:
         given = columns.get(name)
         if name in OPTIONAL_ZERO_COLUMNS and (given is None or (rows and not len(given))):
             return np.zeros(rows, dtype=np.int64)
+        if name in OPTIONAL_LIST_COLUMNS and (given is None or (rows and not len(given))):
+            return empty_id_lists(rows)
         return given
     return pa.table({name: _arrow_array(name, values(name)) for name in COLUMN_NAMES})
 
@@ -70,8 +107,13 @@ def _table_from_frame(events: pd.DataFrame) -> pa.Table:
         if name not in events and name in OPTIONAL_ZERO_COLUMNS:
             arrays[name] = pa.array(np.zeros(len(events), dtype=np.int64))
             continue
+        if name not in events and name in OPTIONAL_LIST_COLUMNS:
+            arrays[name] = empty_id_lists(len(events))
+            continue
         column = events[name]
-        if COLUMNS[name][0] == "dict":
+        if COLUMNS[name][0] == "list":
+            arrays[name] = _id_lists(column)
+        elif COLUMNS[name][0] == "dict":
             arrays[name] = pa.array(column.astype(str), type=pa.string()).dictionary_encode()
         else:
             arrays[name] = pa.array(column.to_numpy(), type=getattr(pa, COLUMNS[name][0])())
@@ -111,6 +153,10 @@ def read_trace(path: str | os.PathLike) -> Trace:
         # format 1 had no allocator columns: nothing was known about blocks
         if name not in table.column_names:
             table = table.append_column(name, pa.array(np.zeros(len(table), dtype=np.int64)))
+    for name in OPTIONAL_LIST_COLUMNS:
+        # formats 1 and 2 recorded no data flow
+        if name not in table.column_names:
+            table = table.append_column(name, empty_id_lists(len(table)))
     missing = [c for c in COLUMN_NAMES if c not in table.column_names]
     if missing:
         raise TraceError(f"{path}: trace lacks columns {', '.join(missing)}")
@@ -121,7 +167,8 @@ def read_trace(path: str | os.PathLike) -> Trace:
                              f"expected {COLUMNS[name][0]}")
     # one block per column, each Arrow buffer released as its column is converted: no
     # second copy of the table while the DataFrame is made, and no consolidation copy
-    events = table.to_pandas(split_blocks=True, self_destruct=True)
+    # id lists stay Arrow-backed (offsets and values, no Python list per row)
+    events = table.to_pandas(split_blocks=True, self_destruct=True, types_mapper=_arrow_lists)
     del table
     problem = events_problem(events)
     if problem:
@@ -129,7 +176,13 @@ def read_trace(path: str | os.PathLike) -> Trace:
     return Trace(events=events, meta=meta, path=str(path))
 
 
+def _arrow_lists(arrow_type: pa.DataType):
+    return pd.ArrowDtype(arrow_type) if pa.types.is_list(arrow_type) else None
+
+
 def _type_matches(kind: str, arrow_type: pa.DataType) -> bool:
+    if kind == "list":
+        return pa.types.is_list(arrow_type) and pa.types.is_integer(arrow_type.value_type)
     if kind == "dict":
         return pa.types.is_dictionary(arrow_type) or pa.types.is_string(arrow_type) \
             or pa.types.is_large_string(arrow_type)
@@ -169,8 +222,8 @@ def _meta_from_schema(path: Path, schema: pa.Schema) -> TraceMeta:
 
 
 def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """Adapt metadata of older format versions to the current one (format 2 only added
-    event columns, filled in ``read_trace``)."""
+    """Adapt metadata of older format versions to the current one (formats 2 and 3 only
+    added event columns, filled in ``read_trace``)."""
     return {**data, "format_version": FORMAT_VERSION}
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, asdict
 from typing import Any
 
 FORMAT_NAME = "memadvisor-trace"
-FORMAT_VERSION = 2  #: 2 added block_bytes, stream, address (CUDA allocator facts)
+#: 2 added block_bytes, stream, address (CUDA allocator facts); 3 added input_ids (data flow)
+FORMAT_VERSION = 3
 #: key of the JSON metadata document inside the Parquet file's key-value metadata
 METADATA_KEY = b"memadvisor"
 
@@ -79,10 +80,18 @@ COLUMNS: dict[str, tuple[str, str]] = {
                              "max_memory_allocated counts it; 0 where no allocator said"),
     "stream": ("int64", "CUDA stream the block belongs to (its pool); 0 = default stream"),
     "address": ("int64", "device address of the block; 0 where not recorded"),
+    # --- format 3: data flow, so that a reader can follow a dtype or a lifetime from the
+    # storages an op read to the ones it made (a 16-bit plan's residual add of two 16-bit
+    # tensors is 16-bit; what the fp32 trace alone cannot say)
+    "input_ids": ("list", "on the alloc row of an op's output: the storage ids of the "
+                          "tensors that op read (the native engine keeps the first 8); "
+                          "empty on other rows and where the profiler did not see the op"),
 }
 COLUMN_NAMES = tuple(COLUMNS)
 #: columns a writer may leave out (filled with 0) and a format-1 file lacks
 OPTIONAL_ZERO_COLUMNS = ("block_bytes", "stream", "address")
+#: columns a writer may leave out (filled with empty lists) and a format-1 or 2 file lacks
+OPTIONAL_LIST_COLUMNS = ("input_ids",)
 
 
 @dataclass

@@ -58,6 +58,10 @@ def synthetic_columns(n: int, seed: int = 0) -> dict[str, object]:
                                 sizes_by_sid[sids] + 511).astype(np.int64),
         "stream": rng.integers(0, 3, len(sids)).astype(np.int64),
         "address": rng.integers(0, 1 << 45, len(sids)).astype(np.int64),
+        # data flow: an op's output names up to three storages read (any ids: the reader
+        # keeps what was written)
+        "input_ids": [sorted(rng.integers(0, half + 1, int(k)).tolist()) if is_first else []
+                      for is_first, k in zip(first, rng.integers(0, 4, len(sids)))],
     }
 
 
@@ -104,6 +108,9 @@ def test_round_trip_keeps_every_column_and_the_metadata(tmp_path, small_trace):
     assert list(events.columns) == list(COLUMN_NAMES)
     for name in COLUMN_NAMES:
         # the values written come back, whatever dtype the reader chose
+        if name == "input_ids":
+            assert [list(v) for v in events[name]] == columns[name]
+            continue
         assert list(events[name].astype(object if isinstance(columns[name], list) else
                                         events[name].dtype)) == list(columns[name]), name
     assert trace.meta.to_dict() == synthetic_meta().to_dict()
@@ -314,6 +321,28 @@ def test_format_1_file_reads_with_zero_allocator_columns(tmp_path):
     for name in OPTIONAL_ZERO_COLUMNS:
         assert (trace.events[name] == 0).all()
     assert list(analysis.counted_bytes(trace.events)) == list(trace.events["size_bytes"])
+
+
+def test_format_2_file_reads_with_empty_data_flow(tmp_path):
+    """A trace written before the data flow column existed loads with every row's
+    ``input_ids`` empty, and writes back as the current format."""
+    import pyarrow.parquet as pq
+    from memadvisor.trace.io import id_lists
+
+    path = tmp_path / "v2.trace"
+    write_trace(path, events_table(synthetic_columns(200)), synthetic_meta())
+    table = pq.read_table(path)
+    data = json.loads(table.schema.metadata[METADATA_KEY])
+    data["format_version"] = 2
+    old = table.drop_columns(["input_ids"])
+    pq.write_table(old.replace_schema_metadata({METADATA_KEY: json.dumps(data)}), path)
+    trace = read_trace(path)
+    assert trace.meta.format_version == FORMAT_VERSION == 3
+    offsets, values = id_lists(trace.events)
+    assert len(offsets) == len(trace.events) + 1 and not offsets.any() and not len(values)
+    again = tmp_path / "again.trace"
+    write_trace(again, trace.events, trace.meta)
+    assert [list(v) for v in read_trace(again).events["input_ids"]] == [[]] * 200
 
 
 def test_block_bytes_count_where_known():
