@@ -200,7 +200,7 @@ def _script_and_choice(trace, trace_path, asked: int | None, device_type: str):
 def check_plans(data: dict, result, script, meta, hw, verify_count: int,
                 fall_back: bool = False) -> bool:
     """Mark each shown plan that ``apply`` cannot realise for the script, execute the top
-    ``verify_count`` others (more, up to twice as many, while executed ones do not fit),
+    ``verify_count`` others (as many more while none of them fits),
     and choose the best: the first plan realisable and -- where plans are executed --
     executed and fitting (a plan below the executed ones is not declared to fit on its
     analytic figure).  Where no execution completed at all, ``fall_back`` (the default
@@ -223,8 +223,10 @@ def check_plans(data: dict, result, script, meta, hw, verify_count: int,
         if shown["apply_refused"] is None:
             candidates.append(index)
     fitting = 0
-    while fitting < verify_count and candidates and data["verified"] < 2 * verify_count:
-        batch = candidates[:min(verify_count - fitting, 2 * verify_count - data["verified"])]
+    # the top K at once; K more only while none executed fits: the candidates run in rank
+    # order, so the first batch with a fitting plan has decided the best
+    while not fitting and candidates and data["verified"] < 2 * verify_count:
+        batch = candidates[:min(verify_count, 2 * verify_count - data["verified"])]
         candidates = candidates[len(batch):]
         records = _execute(batch, result, script, meta, hw)
         for index, record in zip(batch, records):
