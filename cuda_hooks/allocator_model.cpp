@@ -12,19 +12,20 @@
 // blocks and finding the queries (an allocation freed by the very next event) happen in
 // the loop, so no per-event array is made in Python.  Every cost is per event and
 // independent of the stream's length:
-// - free lists are ordered sets of (size, segment, offset, block) -- best fit is the first
-//   entry >= the request (the block pointer never decides an order: the first three are
-//   unique) -- whose nodes come from a pool that reuses freed ones;
+// - a pool's free blocks are kept by size: an ordered map of the sizes free now, each with
+//   a heap of its blocks by (segment, offset) -- best fit is the first size >= the request
+//   and its lowest block, CachingAllocator's (size, segment, offset) order -- and a block
+//   leaving a free list only makes its entry stale (dropped when it surfaces);
 // - blocks carry their pool and are recycled once merged away;
 // - the storages alive are found by row id in a flat table where the ids are dense (they
 //   are: replay_events numbers rows), a hash map otherwise;
 // - a segment's first block is the one it was created with (a merge keeps the lower
 //   block), so segments point at it and no (segment, offset) index is needed.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <memory_resource>
-#include <set>
+#include <map>
 #include <unordered_map>
 #include <vector>
 
@@ -34,17 +35,36 @@ struct Block {
     int64_t segment, offset, size;
     Block* prev;
     Block* next;
+    uint64_t stamp;  // bumped whenever it enters or leaves a free list
     bool free;
     bool small;
 };
 
-struct Key {
-    int64_t size, segment, offset;
+// A free block's entry in its size's bucket; stale once the block's stamp moved on.
+struct Entry {
+    int64_t segment, offset;
     Block* block;
-    bool operator<(const Key& o) const {
-        if (size != o.size) return size < o.size;
-        if (segment != o.segment) return segment < o.segment;
-        return offset < o.offset;
+    uint64_t stamp;
+    // std::push_heap keeps the largest first: the "largest" is the lowest (segment, offset)
+    bool operator<(const Entry& o) const {
+        if (segment != o.segment) return segment > o.segment;
+        return offset > o.offset;
+    }
+};
+
+// The free blocks of one size: a heap of entries, the lowest (segment, offset) on top,
+// entries of blocks that left since dropped lazily (when they surface).
+struct Bucket {
+    std::vector<Entry> heap;
+    int64_t count = 0;  // blocks of this size free now
+
+    Block* top() {
+        while (true) {
+            const Entry& e = heap.front();
+            if (e.block->stamp == e.stamp) return e.block;
+            std::pop_heap(heap.begin(), heap.end());
+            heap.pop_back();
+        }
     }
 };
 
@@ -55,13 +75,15 @@ struct Segment {
     bool alive;
 };
 
-using FreeList = std::pmr::set<Key>;
+// A pool's free blocks by size: best fit is the first bucket at or above the request, and
+// in it the lowest (segment, offset) -- the order of CachingAllocator's (size, segment,
+// offset) free list.
+using FreeList = std::map<int64_t, Bucket>;
 
 struct Model {
     int64_t min_block, small_size, small_buffer, large_buffer, min_large_alloc, round_large;
     int64_t capacity;
-    std::pmr::unsynchronized_pool_resource nodes;
-    FreeList free_lists[2] = {FreeList(&nodes), FreeList(&nodes)};  // [0] large, [1] small
+    FreeList free_lists[2];  // [0] large, [1] small
     std::vector<Segment> segments;  // by id, in creation order
     int64_t segments_alive = 0;
     std::vector<Block*> blocks;  // every block made (owned here)
@@ -88,19 +110,35 @@ struct Model {
             spare.pop_back();
         } else {
             b = new Block;
+            b->stamp = 0;
             blocks.push_back(b);
         }
-        *b = Block{segment, offset, size, prev, next, is_free, small};
+        uint64_t stamp = b->stamp;  // never reset: old entries of a reused block stay stale
+        *b = Block{segment, offset, size, prev, next, stamp, is_free, small};
         return b;
     }
 
     void insert_free(Block* b) {
         b->free = true;
-        free_lists[b->small].insert(Key{b->size, b->segment, b->offset, b});
+        ++b->stamp;
+        Bucket& bucket = free_lists[b->small][b->size];
+        bucket.heap.push_back(Entry{b->segment, b->offset, b, b->stamp});
+        std::push_heap(bucket.heap.begin(), bucket.heap.end());
+        ++bucket.count;
     }
 
     void remove_free(Block* b) {
-        free_lists[b->small].erase(Key{b->size, b->segment, b->offset, b});
+        FreeList& items = free_lists[b->small];
+        auto it = items.find(b->size);
+        ++b->stamp;  // its entry is stale now
+        if (--it->second.count == 0) items.erase(it);
+    }
+
+    // the best-fitting free block of at least ``rounded`` bytes, or null
+    Block* best_fit(int64_t rounded, bool small) {
+        FreeList& items = free_lists[small];
+        auto it = items.lower_bound(rounded);
+        return it == items.end() ? nullptr : it->second.top();
     }
 
     void release_free_segments() {
@@ -136,14 +174,12 @@ struct Model {
     }
 
     Block* malloc_rounded(int64_t rounded, bool small) {
-        FreeList& items = free_lists[small];
-        auto it = items.lower_bound(Key{rounded, -1, -1, nullptr});
-        if (it == items.end()) {
+        Block* b = best_fit(rounded, small);
+        if (b == nullptr) {
             new_segment(segment_size(rounded), small);
-            it = items.lower_bound(Key{rounded, -1, -1, nullptr});
+            b = best_fit(rounded, small);
         }
-        Block* b = it->block;
-        items.erase(it);
+        remove_free(b);
         b->free = false;
         int64_t remaining = b->size - rounded;
         if (splits(remaining, small)) {
@@ -152,7 +188,7 @@ struct Model {
             if (b->next) b->next->prev = rest;
             b->next = rest;
             b->size = rounded;
-            items.insert(Key{remaining, b->segment, rest->offset, rest});
+            insert_free(rest);
         }
         allocated += b->size;
         if (allocated > peak_allocated) peak_allocated = allocated;
@@ -186,9 +222,9 @@ struct Model {
     // count toward the allocated peak.  Returns false when it needs a new segment.
     bool query(int64_t size, bool small) {
         FreeList& items = free_lists[small];
-        if (items.empty() || items.rbegin()->size < size) return false;
-        if (allocated + items.rbegin()->size > peak_allocated) {
-            int64_t block_size = items.lower_bound(Key{size, -1, -1, nullptr})->size;
+        if (items.empty() || items.rbegin()->first < size) return false;
+        if (allocated + items.rbegin()->first > peak_allocated) {
+            int64_t block_size = items.lower_bound(size)->first;
             int64_t remaining = block_size - size;
             int64_t taken = splits(remaining, small) ? size : block_size;
             if (allocated + taken > peak_allocated) peak_allocated = allocated + taken;
