@@ -208,7 +208,13 @@ def moment(data: DashboardData, position: int, step: int | None,
     sums = np.bincount(columns["category"][alive], weights=columns["counted"][alive],
                        minlength=len(schema.CATEGORIES) + 1)
     by_category = {c: int(sums[i]) for i, c in enumerate(schema.CATEGORIES) if int(sums[i])}
-    largest = alive[np.lexsort((alive, -columns["size"][alive]))[:max_rows]]
+    sizes = columns["size"][alive]
+    if len(alive) > max_rows:  # only the storages as large as the max_rows-th can be shown
+        kept = sizes >= np.partition(sizes, len(sizes) - max_rows)[len(sizes) - max_rows]
+        alive_kept, sizes = alive[kept], sizes[kept]
+    else:
+        alive_kept = alive
+    largest = alive_kept[np.lexsort((alive_kept, -sizes))[:max_rows]]
     row = events.iloc[position]
     window = data.step_window(step)
     timeline = data.timeline(step)
@@ -216,20 +222,28 @@ def moment(data: DashboardData, position: int, step: int | None,
     first_ns = int(events["time_ns"].iat[window.start]) if window.stop > window.start else 0
     time_ms = start_ms + (int(row["time_ns"]) - first_ns) / 1e6
     base = data.trace.meta.cwd or ""
-    rows = [_storage_row(r, base) for r in data.lives.iloc[largest].itertuples()]
+    shown = data.lives.iloc[largest]  # a list per column: no row objects, no categories
+    rows = [_storage_row(r, base) for r in zip(*(shown[name].tolist() for name in ROW_FIELDS))]
     return Moment(position=position, seq=int(row["seq"]), step=step, time_ms=time_ms,
                   phase=str(row["phase"]), module=str(row["module"]), op=str(row["op"]),
                   live_bytes=int(data.live[position]), storage_count=len(alive),
                   by_category=by_category, rows=rows)
 
 
-def _storage_row(r, base: str) -> dict[str, Any]:
-    source = str(r.source_file)
+#: the columns of ``lives`` a moment's row is made of, in ``_storage_row``'s order
+ROW_FIELDS = ("size_bytes", "category", "op", "module", "dtype", "shape", "source_file",
+              "source_line", "source_function", "phase", "storage_id")
+
+
+def _storage_row(r: tuple, base: str) -> dict[str, Any]:
+    (size_bytes, category, op, module, dtype, shape, source_file, source_line,
+     source_function, phase, storage_id) = r
+    source = str(source_file)
     if base and source.startswith(base + os.sep):
         source = os.path.relpath(source, base)
-    where = f"{source}:{int(r.source_line)}" if source else "(no user frame)"
-    return {"bytes": int(r.size_bytes), "category": str(r.category), "op": str(r.op),
-            "module": str(r.module) or "(top level)", "dtype": str(r.dtype),
-            "shape": f"[{r.shape}]", "source": where,
-            "function": str(r.source_function), "phase": str(r.phase),
-            "storage_id": int(r.storage_id)}
+    where = f"{source}:{int(source_line)}" if source else "(no user frame)"
+    return {"bytes": int(size_bytes), "category": str(category), "op": str(op),
+            "module": str(module) or "(top level)", "dtype": str(dtype),
+            "shape": f"[{shape}]", "source": where,
+            "function": str(source_function), "phase": str(phase),
+            "storage_id": int(storage_id)}
