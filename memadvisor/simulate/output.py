@@ -136,7 +136,8 @@ def advise_text(data: dict) -> str:
         notes += [f"#{index}: {note}" for note in plan.get("check_notes", [])]
     if notes:
         lines += ["", *notes]
-    if verification is None and data.get("apply_checked") is False and data["plans"]:
+    said = verification is not None and "checked against `apply`" in verification["text"]
+    if not said and data.get("apply_checked") is False and data["plans"]:
         lines += ["", "note: the profiled script was not found, so no plan was checked "
                       "against what `apply` can rewrite"]
     baseline = data.get("baseline_verification")  # its peak on the target, executed

@@ -60,8 +60,9 @@ def summary_dict(choice: VerifyChoice, device_type: str, executed: int, attempte
     decided = "execution" if executed else "recorded" if recorded else "analytic"
     reason = None if recorded else choice.unverified_reason
     if attempted and not executed:
-        reason = f"no plan could be executed: {failed_reason}" if failed_reason else \
-            "no plan could be executed"
+        what = "the unmodified script" if baseline else "no plan"
+        reason = (f"{what} could {'not ' if baseline else ''}be executed"
+                  + (f": {failed_reason}" if failed_reason else ""))
     return {
         "fits_decided_by": decided,
         "subject": "the unmodified script" if baseline else "plans",
