@@ -330,6 +330,7 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     modules = np.asarray(timeline.modules, dtype=object)
     ran_low = set(timeline.module[is_low & (timeline.phase == _FORWARD)
                                   & timeline.op_in(lower_ops)].tolist())
+    cast_bytes = _weights_cast_by_flow(timeline, forward[kinds == 2])
     rows: dict[str, list] = {k: [] for k in ("size", "alloc_key", "free_key", "module",
                                               "category", "phase")}
     itemsize_ratio = DTYPE_BYTES[low] / 4
@@ -350,7 +351,8 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
         timeline, in_step & (timeline.phase == _BACKWARD))
     for code in sorted(ran_low):
         path = str(modules[code])
-        owned = module_parameter_bytes.get(path, 0)
+        owned = module_parameter_bytes.get(path, 0) if cast_bytes is None \
+            else cast_bytes.get(code, 0)
         if owned <= 0:
             continue
         saved = code != first_owner
@@ -399,6 +401,28 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
             "module": timeline.module[grads], "phase": np.full(len(grads), _BACKWARD, np.int8),
             "dtype": np.full(len(grads), low_code, np.int16),
             "shape": timeline.shape[grads]})
+    return out
+
+
+def _weights_cast_by_flow(timeline: Timeline, low_ops: np.ndarray) -> dict[int, float] | None:
+    """Per module code: the fp32 bytes of the parameters its low-precision ops read, each
+    parameter counted once, for the first module that reads it -- autocast caches one
+    16-bit copy per weight for the forward.  Not the module's own parameters: an
+    ``nn.MultiheadAttention`` casts its ``out_proj``'s weight too (the child's forward
+    never runs), a module reading a tied weight casts it once.  None without data flow."""
+    reads = timeline.reads
+    if reads is None or not len(low_ops) or not reads.counts()[low_ops].any():
+        return None
+    weights = timeline.category_mask(schema.PARAMETER) & timeline.dtype_in(("float32",))
+    order = low_ops[np.argsort(timeline.alloc_key[low_ops], kind="stable")]
+    seen: set[int] = set()
+    out: dict[int, float] = {}
+    for row in order.tolist():
+        for source in reads.of(row).tolist():
+            if weights[source] and source not in seen:
+                seen.add(source)
+                code = int(timeline.module[row])
+                out[code] = out.get(code, 0.0) + float(timeline.size[source])
     return out
 
 
