@@ -1110,39 +1110,35 @@ MA_API void ma_t_copy_events(void* out, int64_t n) {
   n = std::min<int64_t>(n, static_cast<int64_t>(t.events.size()));
   if (n > 0) t.events.copy_to(static_cast<tracker::Ev*>(out), static_cast<size_t>(n));
 }
-MA_API int64_t ma_t_shape_count(void) {
+// The flat int64 pools (shapes, data flow) as (count, copy) pairs: copy returns nothing,
+// it copies min(n, size) elements of `width` int64s each (a std::vector member of T).
+namespace tracker {
+template <class V>
+int64_t pool_size(V T::*pool) {
   auto& t = tt();
   BooksGuard g(t.mu);
-  return static_cast<int64_t>(t.shapes.size());
+  return static_cast<int64_t>((t.*pool).size());
 }
+template <class V>
+void copy_pool(V T::*pool, int64_t* out, int64_t n, size_t width) {
+  auto& t = tt();
+  BooksGuard g(t.mu);
+  n = std::min<int64_t>(n, static_cast<int64_t>((t.*pool).size()));
+  if (n > 0) std::memcpy(out, (t.*pool).data(), static_cast<size_t>(n) * width * sizeof(int64_t));
+}
+}  // namespace tracker
+MA_API int64_t ma_t_shape_count(void) { return tracker::pool_size(&tracker::T::shapes); }
 MA_API void ma_t_copy_shapes(int64_t* out, int64_t n) {
-  auto& t = tt();
-  BooksGuard g(t.mu);
-  n = std::min<int64_t>(n, static_cast<int64_t>(t.shapes.size()));
-  std::memcpy(out, t.shapes.data(), static_cast<size_t>(n) * sizeof(int64_t));
+  tracker::copy_pool(&tracker::T::shapes, out, n, 1);
 }
-MA_API int64_t ma_t_input_pool_count(void) {
-  auto& t = tt();
-  BooksGuard g(t.mu);
-  return static_cast<int64_t>(t.input_pool.size());
-}
+MA_API int64_t ma_t_input_pool_count(void) { return tracker::pool_size(&tracker::T::input_pool); }
 MA_API void ma_t_copy_input_pool(int64_t* out, int64_t n) {
-  auto& t = tt();
-  BooksGuard g(t.mu);
-  n = std::min<int64_t>(n, static_cast<int64_t>(t.input_pool.size()));
-  if (n > 0) std::memcpy(out, t.input_pool.data(), static_cast<size_t>(n) * sizeof(int64_t));
+  tracker::copy_pool(&tracker::T::input_pool, out, n, 1);
 }
-MA_API int64_t ma_t_input_ref_count(void) {
-  auto& t = tt();
-  BooksGuard g(t.mu);
-  return static_cast<int64_t>(t.input_refs.size());
-}
+MA_API int64_t ma_t_input_ref_count(void) { return tracker::pool_size(&tracker::T::input_refs); }
 // {event, start, count} triples
 MA_API void ma_t_copy_input_refs(int64_t* out, int64_t n) {
-  auto& t = tt();
-  BooksGuard g(t.mu);
-  n = std::min<int64_t>(n, static_cast<int64_t>(t.input_refs.size()));
-  if (n > 0) std::memcpy(out, t.input_refs.data(), static_cast<size_t>(n) * 3 * sizeof(int64_t));
+  tracker::copy_pool(&tracker::T::input_refs, out, n, 3);
 }
 // marks and owners as (sid, value) pairs; the copies return how many were copied
 namespace tracker {
