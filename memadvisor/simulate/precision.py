@@ -54,6 +54,9 @@ PASS_THROUGH = frozenset({
     # masked_fill fills in its input's dtype (softmax: above)
     "aten::native_group_norm", "aten::native_layer_norm",
     "aten::masked_fill"})
+#: ops whose backward needs none of their inputs: reading a tensor, they do not save it
+_SAVE_NOTHING = frozenset({"aten::add", "aten::sub", "aten::cat", "aten::stack",
+                           "aten::clone", "aten::contiguous", "aten::_to_copy"})
 _NORMS = frozenset({"aten::native_group_norm", "aten::native_layer_norm",
                     "aten::native_batch_norm", "aten::_native_batch_norm_legit",
                     "aten::_native_batch_norm_legit_functional", "aten::cudnn_batch_norm"})
@@ -304,10 +307,10 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     kinds = np.select([sdpa[forward], dropout[module], promote[op]], [4, 3, 5],
                       kind_of_op[op]).astype(np.int8)
     low_rows = _low_rows_by_flow(timeline, forward, kinds, _low_rows(kinds, owns[module]))
-    casts = _input_cast_rows_by_flow(timeline, forward, kinds, low_rows) \
+    by_flow = _input_cast_rows_by_flow(timeline, forward, kinds, low_rows) \
         if timeline.reads is not None else None
-    if casts is None:
-        casts = _input_cast_rows(timeline, forward, kinds, low_rows)
+    casts, fp32_casts, readers = by_flow if by_flow is not None else (
+        _input_cast_rows(timeline, forward, kinds, low_rows), [], None)
     is_low[forward] = low_rows
     # backward tensors shaped like a 16-bit forward tensor of the same module
     backward = np.flatnonzero((timeline.phase == _BACKWARD)
@@ -324,7 +327,8 @@ def _autocast(timeline: Timeline, low: str, device_type: str,
     if is_low.any():
         raw_low = data_sized_kernel_blocks(timeline, np.flatnonzero(is_low))
         out = out.resized(np.where(raw_low, out.size * DTYPE_BYTES[low] / 4, out.size))
-    out = _input_casts(out, timeline, casts, low)
+    out = _input_casts(out, timeline, casts, low, readers)
+    out = _input_casts(out, timeline, fp32_casts, "float32", readers)
 
     # autocast weight copies of modules that ran a low-precision op
     modules = np.asarray(timeline.modules, dtype=object)
@@ -501,34 +505,52 @@ def _low_rows_by_flow(timeline: Timeline, forward: np.ndarray, kinds: np.ndarray
 
 
 def _input_cast_rows_by_flow(timeline: Timeline, forward: np.ndarray, kinds: np.ndarray,
-                             low_rows: np.ndarray) -> list[tuple[int, int]] | None:
+                             low_rows: np.ndarray):
     """``_input_cast_rows`` from the recorded data flow: each low-precision op casts every
     fp32 tensor it reads (autocast caches the casts of weights only, so an fp32 input read
-    by three Linears -- attention's query, key and value -- is cast three times).  Weights
-    (autocast's weight copies), the script's data (``_cast_inputs``) and 0-d tensors are
-    not counted here.  None where the step's low-precision ops have no recorded reads."""
+    by three Linears -- attention's query, key and value -- is cast three times), and each
+    fp32-list op every 16-bit tensor it reads, to fp32 (a GroupNorm after a 16-bit
+    convolution on CUDA saves that fp32 copy).  Weights (autocast's weight copies), the
+    script's data (``_cast_inputs``) and 0-d tensors are not counted here.
+
+    Returns (casts to 16 bits, casts to fp32, rows read by more than one op) -- a cast's
+    source read by another op too stays alive as recorded -- or None where the step's
+    low-precision ops have no recorded reads."""
     reads = timeline.reads
-    ops = np.flatnonzero(kinds == 2)
-    if not len(ops) or not reads.counts()[forward[ops]].any():
+    ops = np.flatnonzero((kinds == 2) | (kinds == 1))
+    if not len(ops) or not reads.counts()[forward[np.flatnonzero(kinds == 2)]].any():
         return None
     position = np.full(len(timeline), -1, np.int64)
     position[forward] = np.arange(len(forward))
     floating = timeline.dtype_in(("float32",))
     candidate = floating & ~timeline.category_mask(schema.PARAMETER, schema.BUFFER) \
         & (np.asarray(timeline.shape != "", bool)) & (position >= 0)
-    out, previous = [], (None, None)
-    for index in ops.tolist():
-        row = int(forward[index])
+    to_low, to_fp32, previous = [], [], (None, None)
+    # per row: the key of the last forward op reading it, and whether an op that may save
+    # it (not a casting consumer, not an add or a cat) reads it
+    last_read = np.full(len(timeline), -1.0)
+    kept = np.zeros(len(timeline), bool)
+    passes_on = timeline.op_in(_SAVE_NOTHING)
+    for index, row in enumerate(forward.tolist()):
         read = reads.of(row)
         key = (int(timeline.op[row]), tuple(read.tolist()))
         if key == previous[0] and previous[1] == index - 1:
             previous = (key, index)  # another output of the same op
             continue
         previous = (key, index)
-        for source in dict.fromkeys(read.tolist()):
-            if candidate[source] and not low_rows[position[source]]:
-                out.append((source, row))
-    return out
+        sources = list(dict.fromkeys(read.tolist()))
+        last_read[sources] = timeline.alloc_key[row]
+        for source in sources:
+            if not candidate[source]:
+                continue
+            source_low = bool(low_rows[position[source]])
+            if kinds[index] == 2 and not source_low:
+                to_low.append((source, row))
+            elif kinds[index] == 1 and source_low:
+                to_fp32.append((source, row))
+            elif not passes_on[row]:
+                kept[source] = True
+    return to_low, to_fp32, (last_read, kept)
 
 
 def _input_cast_rows(timeline: Timeline, forward: np.ndarray, kinds: np.ndarray,
@@ -684,10 +706,14 @@ def _row_positions(timeline: Timeline, rows: np.ndarray) -> tuple[np.ndarray, np
 
 
 def _input_casts(out: Timeline, timeline: Timeline, casts: list[tuple[int, int]],
-                 low: str) -> Timeline:
-    """A low-precision op fed by an fp32 tensor saves the 16-bit copy autocast makes of it:
-    the copy takes the input's saved lifetime and the fp32 input dies after the op (when it
-    was saved only by that op, i.e. allocated by another module just before)."""
+                 low: str, readers=None) -> Timeline:
+    """A low-precision op fed by an fp32 tensor saves the 16-bit copy autocast makes of it
+    (``low`` the copy's dtype: an fp32-list op fed a 16-bit tensor saves an fp32 copy):
+    the copy takes the input's saved lifetime and the input, which only its casts saved,
+    dies after the op.  With data flow (``readers``: each row's last forward reader and
+    whether a reader that may save it read it) it dies after its last reader, and stays
+    as recorded where such a reader read it; without, after the op that cast it (the
+    input was allocated by another module just before)."""
     activation = CATEGORY_CODE[schema.ACTIVATION]
     if not casts:
         return out
@@ -697,7 +723,13 @@ def _input_casts(out: Timeline, timeline: Timeline, casts: list[tuple[int, int]]
     ratio = DTYPE_BYTES[low] / 4
     free_key = out.free_key.copy()
     op_keys = timeline.alloc_key[consumers]
-    free_key[inputs[saved]] = op_keys[saved] + 0.5
+    if readers is None:
+        free_key[inputs[saved]] = op_keys[saved] + 0.5
+    else:
+        last_read, kept = readers
+        freed = saved & ~kept[inputs]
+        free_key[inputs[freed]] = np.minimum(free_key[inputs[freed]],
+                                             last_read[inputs[freed]] + 0.5)
     out = out.retimed(out.alloc_key, free_key)
     low_code = out.dtypes.index(low) if low in out.dtypes else None
     if low_code is None:
