@@ -28,9 +28,7 @@ from ..units import format_bytes
 KEPT_PRICES = 4
 #: processes that price the plans for a number of GPUs (the worker and ones it forks)
 PRICING_PROCESSES = 2
-#: how much nicer than the server the worker and its helpers run, once the first ranking
-#: the page waits for is made (that one, and the pricing it needs, run at the server's
-#: priority: the page is not usable before its plan table is there)
+#: how much nicer than the server the worker and its helpers run
 WORKER_NICE = 5
 try:  # the niceness of the process that imported this (the server)
     _server_nice = os.getpriority(os.PRIO_PROCESS, 0)
@@ -194,15 +192,12 @@ class Simulator:
         return data
 
     def run(self, method: str, *args) -> Any:
-        if method not in ("rank", "priced_gpus"):
-            yield_cpu()  # nothing the page waits for to be usable
         try:
             return getattr(self, method)(*args)
         finally:
             self.release()
             if self._after_job is not None:
                 self._after_job()
-            yield_cpu()  # from the second job on, the server and the browser come first
 
     def release(self) -> None:
         """Between jobs, keep only the prices and the models made (no layout timelines)."""
@@ -237,7 +232,6 @@ def _exact_part(key: int, num_gpus: int, plans: list[Plan]) -> list:
         _SIMULATORS[key].release()
         from . import memory
         memory.trim()
-        yield_cpu()  # forked for the first ranking: the later ones yield, as the worker
 
 
 def _end(pool: ProcessPoolExecutor) -> None:
@@ -257,25 +251,17 @@ def _price_part(key: int, num_gpus: int, part: tuple[int, int]) -> list:
     return price_plans(simulator.baseline(), simulator.hardware, num_gpus, part=part).outcomes
 
 
-def yield_cpu() -> None:
-    """Run ``WORKER_NICE`` nicer than the server from now on (for good: a process may not
-    take priority back), so that the server and the browser come first."""
+def _worker_started(close_fds: tuple[int, ...]) -> None:
+    """In the forked worker: Ctrl-C is the server's to handle (the worker ends with it,
+    without a traceback of its own), the worker dies with the server, it holds none of the
+    server's sockets, and it yields the CPU to the server and the browser (``WORKER_NICE``
+    above the server: the page is built and drawn first, the plans in the time left)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         now = os.getpriority(os.PRIO_PROCESS, 0)
-        if now < _server_nice + WORKER_NICE:
-            os.setpriority(os.PRIO_PROCESS, 0, _server_nice + WORKER_NICE)
+        os.setpriority(os.PRIO_PROCESS, 0, max(now, _server_nice + WORKER_NICE))
     except (OSError, AttributeError):
         pass
-
-
-def _worker_started(close_fds: tuple[int, ...]) -> None:
-    """In the forked worker (and the helpers it forks): Ctrl-C is the server's to handle
-    (the worker ends with it, without a traceback of its own), the worker dies with the
-    server, it holds none of the server's sockets.  It keeps the priority of the process
-    that forked it: the server's for the first ranking (the page waits for it), then
-    ``WORKER_NICE`` above it (``yield_cpu``: after the first job, and before any job the
-    page does not wait for)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: Linux
