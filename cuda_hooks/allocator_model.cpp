@@ -10,8 +10,8 @@
 //
 // The stream comes in as replay_events makes it (signed sizes, row ids): rounding to
 // blocks and finding the queries (an allocation freed by the very next event) happen in
-// the loop, so no per-event array is made in Python.  Every cost is per event and
-// independent of the stream's length:
+// the loop, so no per-event array is made in Python.  Every cost is per event, at most
+// logarithmic in the sizes or blocks free at once (never in the stream's length):
 // - a pool's free blocks are kept by size: an ordered map of the sizes free now, each with
 //   a heap of its blocks by (segment, offset) -- best fit is the first size >= the request
 //   and its lowest block, CachingAllocator's (size, segment, offset) order -- and a block
