@@ -13,17 +13,12 @@ import pytest
 
 from memadvisor.verify.policy import DEFAULT_GPU_PLANS, choose
 
-from .test_verify import SCRIPT, _cli, needs_compiler
+from .test_verify import _cli, needs_compiler, profile_script
 
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("advise_default")
-    (folder / "train.py").write_text(SCRIPT)
-    proc = _cli("profile", "train.py", "-o", "train.trace", "--steps", "3", "-q", "--",
-                "--batch-size", "8", cwd=folder)
-    assert proc.returncode == 0, proc.stderr
-    return folder
+    return profile_script(tmp_path_factory.mktemp("advise_default"))
 
 
 #: far above these small scripts' peaks: every plan fits, and so does the script as it is

@@ -58,14 +58,18 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=300, cwd=cwd, env=env)
 
 
-@pytest.fixture(scope="module")
-def profiled(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("verify")
+def profile_script(folder: Path) -> Path:
+    """SCRIPT written into ``folder`` and profiled there (3 steps, batch 8) as train.trace."""
     (folder / "train.py").write_text(SCRIPT)
     proc = _cli("profile", "train.py", "-o", "train.trace", "--steps", "3", "-q", "--",
                 "--batch-size", "8", cwd=folder)
     assert proc.returncode == 0, proc.stderr
     return folder
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    return profile_script(tmp_path_factory.mktemp("verify"))
 
 
 def _simulate(folder: Path, plan: str, *options: str) -> dict:
