@@ -67,6 +67,11 @@ def main(argv=None) -> int:
                               options.profile_steps, options.save_parameters, options.steps,
                               options.timeout)
     except KeyboardInterrupt:  # the launcher passes on a Ctrl-C: it says so, once
+        # torchrun may send the signal again while this rank winds down; raised inside the
+        # weakref callbacks of the collection below, it would print "Exception ignored ...
+        # KeyboardInterrupt" tracebacks on the user's terminal
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         return 130
     except UserError as exc:
         print(f"[rank{rank}] memadvisor: error: {exc}", file=sys.stderr, flush=True)
