@@ -32,7 +32,11 @@ FSDP_SHARDS = ("zero2", "zero3")  #: realised with FSDP2 ``fully_shard``
 ZERO_SHARDS = ("zero1", "zero2", "zero3")
 OFFLOADS = ("optimizer", "params", "activations")
 OPTIMIZERS = ("keep", "sgd", "sgd-momentum", "adafactor", "adam8bit")
-KEYS = ("precision", "checkpoint", "accum", "shard", "world", "hybrid", "offload", "optimizer")
+KEYS = ("precision", "checkpoint", "accum", "shard", "world", "hybrid", "offload", "optimizer",
+        "tp", "sp")
+#: keys whose compact form may stand alone (``sp`` = ``sp=on``)
+FLAGS = ("sp",)
+_TRUE, _FALSE = ("on", "true", "yes", "1"), ("off", "false", "no", "0", "none")
 
 #: a module path (``blocks.0.attn``, ``0`` for a top-level Sequential's first child) or a
 #: class name: dot-joined Python identifiers or non-negative integers.  None holds the
@@ -66,6 +70,13 @@ class Plan:
     """subset of {optimizer, params, activations} kept in host memory."""
     optimizer: str = "keep"
     """keep | sgd | sgd-momentum | adafactor | adam8bit (needs bitsandbytes)."""
+    tp: int = 1
+    """tensor-parallel degree T: the Linears of recognised attention and MLP blocks are split
+    over T ranks that share one batch; ``world / tp`` ranks remain for data parallelism
+    (consecutive ranks form one tensor-parallel group)."""
+    sp: bool = False
+    """sequence parallel (with tp): norms, dropout and the residual stream between the
+    blocks' tensor-parallel regions are split along the sequence over the T ranks."""
 
     def __post_init__(self):
         # normalise the forms a JSON file or a caller may use, then validate
@@ -100,6 +111,8 @@ class Plan:
                 continue
             key, sep, value = item.partition("=")
             key = key.strip()
+            if not sep and key in FLAGS:
+                sep, value = "=", "on"
             if not sep:
                 raise PlanError(f"plan item {item!r} is not key=value (keys: {', '.join(KEYS)})")
             if key in values:
@@ -132,8 +145,10 @@ class Plan:
             raise PlanError(f"unknown plan key {unknown[0]!r} (keys: {', '.join(KEYS)})")
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
-            if key in ("accum", "world"):
+            if key in ("accum", "world", "tp"):
                 kwargs[key] = _as_int(value, key, minimum=1)
+            elif key in FLAGS:
+                kwargs[key] = _as_flag(value, key)
             elif key == "hybrid":
                 kwargs[key] = None if value in (None, "", "none") else _as_int(value, key, 1)
             elif key == "checkpoint":
@@ -166,6 +181,9 @@ class Plan:
                 value = "+".join(value)
             elif key == "offload":
                 value = "+".join(o for o in OFFLOADS if o in value)
+            elif key in FLAGS:
+                items.append(key)
+                continue
             items.append(f"{key}={value}")
         return ",".join(items) or "none"
 
@@ -178,22 +196,32 @@ class Plan:
         return self.shard in FSDP_SHARDS
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that take different slices of the batch: ``world / tp`` (the ``tp`` ranks
+        of one tensor-parallel group share theirs)."""
+        return self.world // self.tp if self.tp >= 1 and self.world % self.tp == 0 else 1
+
+    @property
     def shard_group_size(self) -> int:
-        """Ranks that share one copy of the sharded state (``world`` unless hybrid)."""
+        """Ranks that share one copy of the sharded state (the data-parallel ranks unless
+        hybrid)."""
         if self.shard not in ZERO_SHARDS:
             return 1
-        return self.hybrid or self.world
+        return self.hybrid or self.data_parallel_size
 
     @property
     def needs_gpu(self) -> bool:
         return self.precision == "amp-fp16" or bool(self.offload)
 
     def micro_batch_size(self, batch_size: int) -> int:
-        """Samples in one micro-batch on one rank: ``B / (world * accum)``, or PlanError."""
-        parts = self.world * self.accum
+        """Samples in one micro-batch on one rank: ``B / (world / tp * accum)``, or
+        PlanError (the ranks of one tensor-parallel group take the same samples)."""
+        ranks = self.data_parallel_size
+        parts = ranks * self.accum
         if batch_size % parts or batch_size < parts:
             how = " x ".join(p for p in (
-                f"{self.world} ranks" if self.world > 1 else "",
+                (f"{ranks} data-parallel ranks" if self.tp > 1 else f"{ranks} ranks")
+                if ranks > 1 else "",
                 f"{self.accum} micro-batches" if self.accum > 1 else "") if p)
             raise PlanError(
                 f"a batch of {batch_size} samples cannot be split evenly into {how}: "
@@ -218,6 +246,17 @@ def _as_list(value: Any, key: str) -> list[str]:
     if isinstance(value, Iterable):
         return [str(v).strip() for v in value if str(v).strip()]
     raise PlanError(f"plan key {key} must be a string or a list, got {value!r}")
+
+
+def _as_flag(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise PlanError(f"plan key {key} is on or off (write {key} or {key}=off), got {value!r}")
 
 
 def _choices(key: str, value: Any, allowed: tuple[str, ...]) -> str | None:
@@ -245,14 +284,26 @@ def _static_problems(plan: Plan) -> Iterable[str]:
     for name in sorted(plan.offload):
         if name not in OFFLOADS:
             yield f"offload entry {name!r} is not one of {', '.join(OFFLOADS)} (join them with +)"
-    for key in ("accum", "world"):
+    for key in ("accum", "world", "tp"):
         if not isinstance(getattr(plan, key), int) or getattr(plan, key) < 1:
             yield f"plan key {key} must be a whole number of at least 1"
+    if not isinstance(plan.sp, bool):
+        yield "plan key sp is on or off"
+    yield from _tensor_parallel_problems(plan)
 
-    world, shard = plan.world, plan.shard
+    world, shard = plan.data_parallel_size, plan.shard
     if shard == "none" and world > 1:
-        yield (f"world={world} needs a data-parallel mode: add shard=ddp, zero1, zero2 or zero3")
-    if shard != "none" and world == 1:
+        if plan.tp > 1:
+            yield (f"world={plan.world} with tp={plan.tp} leaves {world} data-parallel groups: "
+                   "add shard=zero2 or zero3 (or set world equal to tp)")
+        else:
+            yield (f"world={world} needs a data-parallel mode: add shard=ddp, zero1, zero2 or "
+                   "zero3")
+    if shard != "none" and world == 1 and plan.tp > 1 and plan.world > 1:
+        yield (f"shard={shard} with world={plan.world} and tp={plan.tp} has no data-parallel "
+               f"rank to shard with (all {plan.world} ranks split the layers): make world a "
+               f"larger multiple of tp, or use shard=none")
+    elif shard != "none" and world == 1:
         what = {"ddp": "replicate", "zero1": "shard the optimizer state",
                 "zero2": "shard gradients and optimizer state",
                 "zero3": "shard parameters, gradients and optimizer state"}[shard]
@@ -291,6 +342,30 @@ def _static_problems(plan: Plan) -> Iterable[str]:
     if plan.optimizer == "adam8bit" and shard in FSDP_SHARDS:
         yield (f"optimizer=adam8bit with shard={shard}: bitsandbytes' 8-bit optimizers do not "
                "support FSDP2's DTensor parameters; use zero1 or another optimizer")
+
+
+def _tensor_parallel_problems(plan: Plan) -> Iterable[str]:
+    """Why a tp/sp plan cannot run (first increment: tp alone, or FSDP over world/tp)."""
+    tp, world = plan.tp, plan.world
+    if plan.sp and tp < 2:
+        yield ("sp (sequence parallel) splits the sequence over the tensor-parallel ranks: it "
+               "needs tp=2 or more")
+    if not isinstance(tp, int) or tp < 2:
+        return
+    if world % tp:
+        yield (f"tp={tp} must divide world={world}: each tensor-parallel group holds tp ranks "
+               f"(world={tp} for tensor parallelism alone)")
+        return
+    if plan.shard in ("ddp", "zero1"):
+        yield (f"tp={tp} with shard={plan.shard} is not supported: DistributedDataParallel does "
+               "not take DTensor parameters; use shard=zero2 or zero3 (FSDP over world/tp ranks)")
+    if plan.hybrid is not None:
+        yield f"tp={tp} with hybrid={plan.hybrid} is not supported yet"
+    if plan.offload:
+        yield f"tp={tp} with offload is not supported yet"
+    if plan.optimizer in ("adafactor", "adam8bit"):
+        yield (f"optimizer={plan.optimizer} with tp={tp}: it does not run on the DTensor "
+               "parameters tensor parallelism makes; use keep, sgd or sgd-momentum")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
