@@ -162,7 +162,7 @@ def slice_batch(value, start: int, stop: int, dims: list, skipped: list):
 def split(values: tuple, plan: Plan, rank: int, *, model=None, batch_dims=None,
           decided: dict | None = None):
     """Yield this rank's micro-batches of ``values`` (each a tuple like ``values``)."""
-    parts = plan.world * plan.accum
+    parts = plan.data_parallel_size * plan.accum  # a tensor-parallel group shares its batch
     if parts == 1:
         yield values
         return

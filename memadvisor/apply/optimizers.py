@@ -54,8 +54,9 @@ def param_groups(original: torch.optim.Optimizer, plan: Plan, new_params: dict,
 
 
 def needs_rebuild(plan: Plan) -> bool:
+    # tp: parallelize_module registers new (DTensor) Parameters in place of the old ones
     return (plan.optimizer != "keep" or plan.uses_fsdp or plan.shard == "zero1"
-            or "optimizer" in plan.offload)
+            or "optimizer" in plan.offload or plan.tp > 1)
 
 
 #: optimizers whose step treats every parameter as one flat vector (LBFGS's dot products and

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Environment, Plan, PlanError, environment_problems, repeated_blocks
-from . import batching, checkpointing, checks, optimizers, precision, sharding
+from . import batching, checkpointing, checks, optimizers, precision, sharding, tensor_parallel
 
 _session: "Session | None" = None  #: the latest session (micro_batches splits for it)
 _sessions: "list[Session]" = []
@@ -124,6 +124,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
     precision.cast_parameters(module, plan)
     checkpointed = checkpointing.apply_checkpointing(module, plan, evidence)
     precision.wrap_forward(module, plan, device_type, evidence)
+    tp_layout = tensor_parallel.apply_tensor_parallel(module, plan, device_type)
     blocks = repeated_blocks(checkpointing.module_entries(module)) if plan.uses_fsdp else []
     wrapped = sharding.wrap_model(module, plan, device_type, blocks)
     checks.watch_wrapper(wrapped, evidence)
@@ -139,7 +140,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
                        checkpointed, evidence, names_by_id)
     _sessions.append(_session)
     if ranks.rank == 0:
-        print(f"memadvisor: {_describe(_session, device_type, blocks)}", file=sys.stderr,
+        print(f"memadvisor: {_describe(_session, device_type, blocks, tp_layout)}", file=sys.stderr,
               flush=True)
     return wrapped, new_optimizer
 
@@ -171,7 +172,8 @@ def _prepare_another_optimizer(earlier: Session, optimizer):
     return earlier.model, new_optimizer
 
 
-def _describe(session: Session, device_type: str, blocks: list[str]) -> str:
+def _describe(session: Session, device_type: str, blocks: list[str],
+              tp_layout: "tensor_parallel.Layout | None" = None) -> str:
     """One line saying what prepare did, so a run's log shows the plan it ran."""
     plan = session.plan
     parts = [f"plan {plan} on {device_type}"]
@@ -181,6 +183,8 @@ def _describe(session: Session, device_type: str, blocks: list[str]) -> str:
         paths = [p or "<model>" for p in session.checkpointed]
         shown = ", ".join(paths[:3]) + (f", ... ({len(paths)})" if len(paths) > 3 else "")
         parts.append(f"checkpointing {shown}")
+    if tp_layout is not None:
+        parts.append(tensor_parallel.describe(tp_layout))
     if plan.uses_fsdp:
         parts.append(f"fully_shard on {len(blocks)} blocks + the root")
     parts.append(f"optimizer {type(session.optimizer).__name__}")
@@ -211,7 +215,8 @@ def micro_batches(*values, batch_dims=None):
     session.micro_batches_per_step = plan.accum
     try:
         for index, part in enumerate(batching.split(
-                values, plan, session.ranks.rank, model=session.model, batch_dims=batch_dims,
+                values, plan, tensor_parallel.data_parallel_rank(plan, session.ranks.rank),
+                model=session.model, batch_dims=batch_dims,
                 decided=decided)):
             last = index == plan.accum - 1
             with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
@@ -357,6 +362,9 @@ def clip_grad_norm_(parameters, max_norm, *args, **kwargs) -> torch.Tensor:
     (FSDP2 returns a DTensor)."""
     parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else parameters
     _unscale(parameters)
+    if _sessions and _sessions[0].plan.tp > 1 and not _sessions[0].plan.uses_fsdp:
+        # split Linears' DTensor gradients beside replicated plain ones
+        return tensor_parallel.clip_mixed_grad_norm_(parameters, max_norm, *args, **kwargs)
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, *args, **kwargs)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 

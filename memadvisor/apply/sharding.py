@@ -93,6 +93,9 @@ def wrap_model(model: nn.Module, plan: Plan, device_type: str, blocks: list[str]
 
 def device_mesh(plan: Plan, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
+    if plan.tp > 1:  # FSDP over the data-parallel dimension of the (dp, tp) mesh
+        from .tensor_parallel import data_parallel_mesh
+        return data_parallel_mesh(plan, device_type)
     if plan.hybrid:
         return init_device_mesh(device_type, (plan.world // plan.hybrid, plan.hybrid),
                                 mesh_dim_names=("replicate", "shard"))

@@ -1,0 +1,256 @@
+"""``tp=T`` (and ``sp``): tensor parallelism with PyTorch's own ``parallelize_module``.
+
+The model's attention and MLP blocks are recognised by the names of their Linear children
+(as torchtitan's ``parallelize_llama`` names ``wq/wk/wv/wo`` and ``w1/w2/w3`` by hand, but
+for the spellings common models use), then split the Megatron way over the T ranks of a
+tensor-parallel group:
+
+==========================  =========================================================
+attention q, k, v           ``ColwiseParallel``: each rank computes its heads
+attention output            ``RowwiseParallel``: partial sums all-reduced
+MLP up (and gate)           ``ColwiseParallel``: each rank holds a slice of the hidden
+MLP down                    ``RowwiseParallel``
+with ``sp``                 norms ``SequenceParallel``; blocks take and give the
+                            residual stream split along the sequence (dimension 1),
+                            gathered before attention/MLP and reduce-scattered after
+==========================  =========================================================
+
+Attention code reshapes with its head count (``view(B, T, self.n_heads, head_dim)``); the
+local q/k/v hold ``n_heads / T`` heads, so, as torchtitan sets ``n_heads //= tp`` on each
+attention module, the head-count attributes found on the module are divided.  An
+attention module whose head count cannot be found is refused.  A fused ``qkv`` Linear
+(one output holding q, k and v) is left replicated, with the reason, where its split of
+rows cannot be made to follow heads (ColwiseParallel would hand rank 0 all of q and half
+of k); the blocks' MLPs are split all the same.
+
+The embedding, the LM head and the norms (without ``sp``) stay replicated in this
+increment: every rank holds them whole and computes the same gradients for them, since
+every rank of a tensor-parallel group sees the same batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..plan import Plan, PlanError
+
+#: child names of an attention's query/key/value Linears, per role
+QUERY = ("q_proj", "wq", "query", "q", "to_q", "q_lin", "q_linear")
+KEY = ("k_proj", "wk", "key", "k", "to_k", "k_lin", "k_linear")
+VALUE = ("v_proj", "wv", "value", "v", "to_v", "v_lin", "v_linear")
+ATTENTION_OUT = ("o_proj", "wo", "out_proj", "c_proj", "proj", "dense", "o", "out_lin",
+                 "out", "to_out", "o_linear")
+FUSED_QKV = ("qkv", "c_attn", "Wqkv", "qkv_proj", "query_key_value", "in_proj", "to_qkv")
+MLP_UP = ("fc", "fc1", "c_fc", "w1", "w3", "up_proj", "gate_proj", "dense_h_to_4h", "lin1",
+          "up", "gate", "wi", "wi_0", "wi_1")
+MLP_DOWN = ("proj", "fc2", "c_proj", "w2", "down_proj", "dense_4h_to_h", "lin2", "down", "wo")
+#: attributes holding a head count the attention's forward reshapes with
+HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads",
+                   "n_kv_head", "num_kv_heads", "num_key_value_heads", "n_local_heads",
+                   "n_local_kv_heads")
+#: norm classes ``sp`` splits along the sequence (any class whose name ends so)
+NORM_SUFFIXES = ("LayerNorm", "RMSNorm")
+
+
+@dataclass
+class Layout:
+    """What ``tp`` splits in one model: module paths and the child names of each role."""
+    attention: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    mlp: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    heads: dict[str, dict[str, int]] = field(default_factory=dict)  #: path -> attr -> count
+    kept: dict[str, str] = field(default_factory=dict)  #: path -> why it stays replicated
+
+    def linear_paths(self) -> dict[str, str]:
+        """Every split Linear: path -> 'colwise' | 'rowwise'."""
+        out = {}
+        for blocks in (self.attention, self.mlp):
+            for path, roles in blocks.items():
+                for role, names in roles.items():
+                    for name in names:
+                        out[_join(path, name)] = "rowwise" if role == "down" else "colwise"
+        return out
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _linear_children(module: nn.Module) -> dict[str, nn.Linear]:
+    return {n: c for n, c in module.named_children() if isinstance(c, nn.Linear)}
+
+
+def find_layout(model: nn.Module, tp: int) -> Layout:
+    """The attention and MLP blocks of ``model`` and how they split over ``tp`` ranks, or
+    PlanError naming what cannot be split."""
+    layout = Layout()
+    for path, module in model.named_modules():
+        linears = _linear_children(module)
+        if not linears:
+            continue
+        q = [n for n in QUERY if n in linears]
+        k = [n for n in KEY if n in linears]
+        v = [n for n in VALUE if n in linears]
+        out = [n for n in ATTENTION_OUT if n in linears]
+        if q and k and v:
+            if not out:
+                raise PlanError(f"tp={tp}: attention {path or '<model>'} has q/k/v Linears but "
+                                f"no output projection among {', '.join(ATTENTION_OUT)}")
+            layout.attention[path] = {"up": [q[0], k[0], v[0]], "down": [out[0]]}
+            layout.heads[path] = _head_counts(module, path, tp)
+            continue
+        fused = [n for n in FUSED_QKV if n in linears]
+        if fused:
+            layout.kept[path] = (f"fused {fused[0]} Linear (q, k and v in one output, split by "
+                                 "the forward at fixed widths): a column split would not "
+                                 "follow heads, so this attention stays replicated")
+            continue
+        up = [n for n in MLP_UP if n in linears]
+        down = [n for n in MLP_DOWN if n in linears and n not in up]
+        if up and len(down) >= 1:
+            widths = {linears[n].out_features for n in up}
+            down = [n for n in down if linears[n].in_features in widths]
+            if len(widths) == 1 and len(down) == 1:
+                layout.mlp[path] = {"up": up, "down": down}
+    if not layout.attention and not layout.mlp:
+        raise PlanError(f"tp={tp} found no attention (q/k/v and output Linears) or MLP (up and "
+                        "down Linears) block to split in the model; name its Linears like "
+                        "q_proj/k_proj/v_proj/o_proj and up_proj/down_proj, or use shard=")
+    _check_divisible(model, layout, tp)
+    return layout
+
+
+def _head_counts(module: nn.Module, path: str, tp: int) -> dict[str, int]:
+    counts = {a: getattr(module, a) for a in HEAD_ATTRIBUTES
+              if isinstance(getattr(module, a, None), int) and not isinstance(
+                  getattr(module, a), bool)}
+    if not counts:
+        raise PlanError(f"tp={tp}: attention {path or '<model>'} ({type(module).__name__}) has no "
+                        f"head-count attribute ({', '.join(HEAD_ATTRIBUTES[:4])}, ...) to divide "
+                        "by tp, so its reshape into heads would break on the split q/k/v")
+    for name, count in counts.items():
+        if count % tp:
+            raise PlanError(f"tp={tp}: attention {path or '<model>'} has {name}={count}, not "
+                            f"divisible by tp: each rank must hold whole heads")
+    return counts
+
+
+def _check_divisible(model: nn.Module, layout: Layout, tp: int) -> None:
+    modules = dict(model.named_modules())
+    for path, style in layout.linear_paths().items():
+        linear = modules[path]
+        width = linear.out_features if style == "colwise" else linear.in_features
+        if width % tp:
+            raise PlanError(f"tp={tp}: {path} has {width} {'output' if style == 'colwise' else 'input'}"
+                            f" features, not divisible by tp")
+
+
+_mesh = None  #: the (data-parallel x tensor-parallel) DeviceMesh made by ``make_mesh``
+
+
+def make_mesh(plan: Plan, device_type: str):
+    """One mesh per process: ``(dp, tp)``, consecutive ranks in one tensor-parallel group
+    (they exchange activations every layer: the fastest links on a node)."""
+    global _mesh
+    if _mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        _mesh = init_device_mesh(device_type, (plan.data_parallel_size, plan.tp),
+                                 mesh_dim_names=("dp", "tp"))
+    return _mesh
+
+
+def data_parallel_mesh(plan: Plan, device_type: str):
+    """The ``dp`` dimension FSDP shards over under ``tp``."""
+    return make_mesh(plan, device_type)["dp"]
+
+
+def data_parallel_rank(plan: Plan, rank: int) -> int:
+    """Which slice of the batch ``rank`` takes: the tensor-parallel group's index."""
+    return rank // plan.tp
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Plan, device_type: str) -> Layout | None:
+    """Split the model's recognised blocks over the plan's tensor-parallel ranks, in place;
+    returns what was split (None without tp)."""
+    if plan.tp < 2:
+        return None
+    if plan.sp:
+        raise PlanError("sp is not realised by apply yet: use tp without sp (simulate "
+                        "predicts sp)")
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module)
+
+    layout = find_layout(model, plan.tp)
+    tp_mesh = make_mesh(plan, device_type)["tp"]
+    modules = dict(model.named_modules())
+    for blocks in (layout.attention, layout.mlp):
+        for path, roles in blocks.items():
+            styles = {}
+            for name in roles["up"]:
+                styles[name] = ColwiseParallel()
+            for name in roles["down"]:
+                styles[name] = (RowwiseParallel(output_layouts=Shard(1)) if plan.sp
+                                else RowwiseParallel())
+            if plan.sp:
+                # the block's input arrives split along the sequence: gather it first
+                styles[""] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                desired_input_layouts=(Replicate(),))
+            parallelize_module(modules[path], tp_mesh, styles)
+    for path, counts in layout.heads.items():
+        for name, count in counts.items():
+            setattr(modules[path], name, count // plan.tp)
+    if plan.sp:
+        _sequence_parallel(model, layout, tp_mesh, modules)
+    _check_split(model, layout, plan)
+    return layout
+
+
+def _sequence_parallel(model, layout: Layout, tp_mesh, modules) -> None:
+    """``sp`` (not reached yet: refused above)."""
+    raise PlanError("sp is not realised by apply yet")
+
+
+def _check_split(model: nn.Module, layout: Layout, plan: Plan) -> None:
+    """Every Linear the layout names holds a DTensor shard now (the knob took effect)."""
+    modules = dict(model.named_modules())
+    for path in layout.linear_paths():
+        if not hasattr(modules[path].weight, "full_tensor"):
+            raise PlanError(f"tp={plan.tp} did not take effect: {path}.weight is not sharded")
+
+
+def describe(layout: Layout | None) -> str:
+    if layout is None:
+        return ""
+    text = (f"tensor parallel: {len(layout.attention)} attention + {len(layout.mlp)} MLP "
+            "blocks split")
+    if layout.kept:
+        first = next(iter(layout.kept))
+        text += (f"; {len(layout.kept)} attention kept replicated ({first or '<model>'}: "
+                 f"{layout.kept[first]})")
+    return text
+
+
+def clip_mixed_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                          error_if_nonfinite: bool = False, foreach=None):
+    """``clip_grad_norm_`` over gradients some of which are DTensor shards (the split
+    Linears) and some plain tensors (the replicated embedding, norms): torch's foreach
+    kernels refuse the mix.  Each DTensor's norm is made whole (a collective over the
+    tensor-parallel group), then combined and applied per tensor; same result."""
+    import torch
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norm_type = float(norm_type)
+    norms = []
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                           "non-finite, so it cannot be clipped")
+    coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for grad in grads:
+        grad.mul_(coefficient)
+    return total
