@@ -362,8 +362,9 @@ def clip_grad_norm_(parameters, max_norm, *args, **kwargs) -> torch.Tensor:
     (FSDP2 returns a DTensor)."""
     parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else parameters
     _unscale(parameters)
-    if _sessions and _sessions[0].plan.tp > 1 and not _sessions[0].plan.uses_fsdp:
-        # split Linears' DTensor gradients beside replicated plain ones
+    if _sessions and _sessions[0].plan.tp > 1:
+        # split Linears' DTensor gradients beside replicated plain ones (or, under FSDP,
+        # DTensors of a 2-D and a 1-D mesh): torch's foreach norm refuses either mix
         return tensor_parallel.clip_mixed_grad_norm_(parameters, max_norm, *args, **kwargs)
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, *args, **kwargs)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
