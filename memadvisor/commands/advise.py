@@ -51,6 +51,8 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     from ..simulate import advise
     from ..verify import baseline_as_applied
     from ..simulate.output import advise_dict, advise_text
+    from ..advice import advice_dicts, collect as collect_advice
+    from ..advice.output import advice_text
     from .simulate import check_gpu_option, target_hardware
 
     budget_bytes = parse_bytes(budget)
@@ -59,8 +61,9 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
         _check_save_path(save_plan, overwrite)
     trace = read_trace(trace_path)
     base = baseline_as_applied(trace)  # the loop as apply rewrites it
-    release_events(trace)  # only the metadata is read from here on
     hw = target_hardware(gpu, trace.meta.device, expandable_segments)
+    advice = collect_advice(trace, base, hw)  # the last reader of the events
+    release_events(trace)  # only the metadata is read from here on
     script, choice = _script_and_choice(trace, trace_path, verify_count, hw.device_type)
     verify_count = choice.count
     allowed = {a.strip() for a in allow.split(",") if a.strip()}
@@ -111,7 +114,10 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
         except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
             raise UserError(f"cannot write --save-plan {save_plan}: "
                             f"{getattr(exc, 'strerror', None) or exc}") from None
-    click.echo(json.dumps(data, indent=2) if as_json else safe_text(advise_text(data)))
+    data["advice"] = advice_dicts(advice)
+    text = None if as_json else advise_text(data) + "\n" + advice_text(data["advice"],
+                                                                     trace.meta.cwd or "")
+    click.echo(json.dumps(data, indent=2) if as_json else safe_text(text))
     if best is None and checked and not data["keep_as_is"]:
         summary = data["verification"]
         if summary["plans_attempted"] and not summary["plans_executed"]:

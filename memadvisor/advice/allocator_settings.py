@@ -1,0 +1,129 @@
+"""Caching-allocator settings: the reserved bytes ``expandable_segments`` and
+``max_split_size_mb`` would give, found by replaying the step through the allocator model.
+
+On a GPU target the unmodified script's allocation stream (the simulator's baseline plan:
+the analysed step with the target's own additions, cuBLAS workspaces) is replayed through
+``simulate.allocator`` with the default settings, with ``expandable_segments:True`` and with
+a few ``max_split_size_mb`` values.  Reserved minus the allocated peak is the
+fragmentation; a setting is advised only where it lowers the reserved peak, with the
+``PYTORCH_CUDA_ALLOC_CONF`` text to set.
+
+The allocator model never returns a segment (capacity unlimited here), so reserved only
+grows and the two pools add up: ``max_split_size_mb`` touches only the large pool
+(blocks over 1 MiB), which is replayed alone under it.  Its replay runs the Python loop
+(the compiled one knows the default rules only, ~100x faster): it is skipped, and said,
+above ``MAX_SPLIT_EVENTS`` large-pool events, so a long trace costs ``advise`` no more than
+the vectorised passes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..units import format_bytes
+from . import MISSING, SUGGESTED, Advice
+
+KIND = "allocator_settings"
+#: below this much fragmentation (reserved over the allocated peak), nothing to win
+MIN_FRAGMENTATION_BYTES = 20 << 20
+#: a setting must save at least this much reserved memory to be advised
+MIN_SAVING_BYTES = 2 << 20
+#: the Python replay's cost bound (about 2 us per event: ~0.4 s per value tried)
+MAX_SPLIT_EVENTS = 200_000
+#: how many max_split_size_mb values are replayed at most
+MAX_SPLIT_CANDIDATES = 3
+
+
+def allocator_settings_advice(context) -> list[Advice]:
+    hw = context.hardware
+    if hw is None or hw.device_type != "cuda":
+        return []
+    from ..simulate.allocator import SMALL_SIZE, replay
+    from ..simulate.allocator_config import AllocatorConfig
+    sizes, rows = _baseline_stream(context)
+    if not len(sizes):
+        return []
+    default = replay(sizes, rows)
+    fragmentation = default.peak_reserved_bytes - default.peak_allocated_bytes
+    if fragmentation < MIN_FRAGMENTATION_BYTES:
+        return []
+    found = []
+    base = {"reserved_bytes_default": int(default.peak_reserved_bytes),
+            "allocated_peak_bytes": int(default.peak_allocated_bytes),
+            "fragmentation_bytes": int(fragmentation)}
+    expandable = replay(sizes, rows, expandable_segments=True)
+    saved = default.peak_reserved_bytes - expandable.peak_reserved_bytes
+    if saved >= MIN_SAVING_BYTES:
+        found.append(_advice("expandable_segments:True", saved,
+                             expandable.peak_reserved_bytes, base,
+                             "one growing segment per pool, mapped in pages: no block is "
+                             "stranded in a segment too small for the next request"))
+    rounded = np.maximum((np.abs(sizes).round().astype(np.int64) + 511) & -512, 512)
+    large = rounded > SMALL_SIZE
+    candidates = _split_candidates(rounded[large & (sizes > 0)])
+    if candidates and int(large.sum()) > MAX_SPLIT_EVENTS:
+        found.append(Advice(
+            kind=KIND, status=MISSING, title="max_split_size_mb not tried",
+            location="PYTORCH_CUDA_ALLOC_CONF",
+            reason=f"the step has {int(large.sum()):,} large-pool events, over the "
+                   f"{MAX_SPLIT_EVENTS:,} the allocator model's Python replay (the only one "
+                   "that honours max_split_size_mb) is run on here",
+            details=base))
+        return found
+    if candidates:
+        large_default = replay(sizes[large], rows[large]).peak_reserved_bytes
+        best = None
+        for megabytes in candidates:
+            config = AllocatorConfig(max_split_size_bytes=megabytes << 20)
+            reserved = replay(sizes[large], rows[large], config=config).peak_reserved_bytes
+            if best is None or reserved < best[1]:
+                best = (megabytes, reserved)
+        saved = large_default - best[1]
+        if saved >= MIN_SAVING_BYTES:
+            found.append(_advice(f"max_split_size_mb:{best[0]}", saved,
+                                 default.peak_reserved_bytes - saved, base,
+                                 f"blocks of {best[0]} MiB or more are never split, so the "
+                                 "large requests stop carving up each other's segments "
+                                 f"(tried {', '.join(map(str, candidates))} MiB)"))
+    return found
+
+
+def _baseline_stream(context) -> tuple[np.ndarray, np.ndarray]:
+    """The unmodified script's allocation stream on the target, as ``simulate`` replays
+    it (signed sizes, row of each event)."""
+    from ..plan import Plan
+    from ..simulate import simulate
+    from ..simulate.replay import replay_events
+    prediction = simulate(context.base, Plan(), context.hardware, run_allocator=False,
+                          categories=False)
+    return replay_events(prediction.timeline)
+
+
+def _split_candidates(large_requests: np.ndarray) -> list[int]:
+    """max_split_size_mb values worth a replay: powers of two above the median large
+    request and below the largest (a limit above every request changes nothing), over 20
+    MiB as c10 requires."""
+    if not len(large_requests):
+        return []
+    median_mb = float(np.median(large_requests)) / 2**20
+    largest_mb = float(large_requests.max()) / 2**20
+    values = []
+    megabytes = 32
+    while megabytes < largest_mb and len(values) < MAX_SPLIT_CANDIDATES:
+        if megabytes > median_mb:
+            values.append(megabytes)
+        megabytes *= 2
+    return values
+
+
+def _advice(setting: str, saved: int, reserved: int, base: dict, why: str) -> Advice:
+    return Advice(
+        kind=KIND, status=SUGGESTED, bytes_saved=int(saved),
+        title=f"PYTORCH_CUDA_ALLOC_CONF={setting}",
+        location="PYTORCH_CUDA_ALLOC_CONF",
+        reason=(f"the allocator model reserves {format_bytes(base['reserved_bytes_default'])} "
+                f"for a {format_bytes(base['allocated_peak_bytes'])} allocated peak "
+                f"({format_bytes(base['fragmentation_bytes'])} fragmentation); with "
+                f"{setting}, {format_bytes(reserved)}: {why}.  Saves reserved memory, "
+                "not the allocated peak"),
+        details={**base, "setting": setting, "reserved_bytes": int(reserved),
+                 "alloc_conf": f"PYTORCH_CUDA_ALLOC_CONF={setting}"})

@@ -1,0 +1,131 @@
+"""Data loading: the batch's host memory, its copy to the GPU, and the time before forward.
+
+What the trace holds: every storage of category ``input`` (the tensors fed to the root
+modules and what they were made from), with its device, the op that made it (a device
+copy is ``aten::_to_copy``) and the source line; per step its start and end, and every
+event's time.  From those, for the analysed step:
+
+- host batch bytes made in the step (a DataLoader's batch) -- what ``pin_memory=True``
+  would also hold as page-locked buffers, once per batch in flight;
+- the bytes copied to the GPU and the source line of the copy, with the time that copy
+  takes at the target's host link -- the time ``pin_memory=True`` with
+  ``.to(device, non_blocking=True)`` lets the GPU overlap with compute;
+- the time from the step's start to its first forward event (loading, copying,
+  ``zero_grad``), measured while profiling.
+
+What it does not hold, and so is said rather than guessed: whether a host tensor was
+pinned, whether a copy was ``non_blocking``, the DataLoader's ``num_workers`` and
+``prefetch_factor`` (so how many batches are in flight), and the workers' own host memory
+(forked processes are not profiled).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..trace import schema
+from ..trace.analysis import analysed_step, step_slice
+from ..units import format_bytes
+from . import MISSING, SUGGESTED, Advice
+
+KIND = "data_loading"
+NOT_RECORDED = ("whether the host batches were pinned", "whether the copies were "
+                "non_blocking", "the DataLoader's num_workers and prefetch_factor (batches "
+                "in flight)", "the workers' host memory (forked processes are not profiled)")
+
+
+def data_loading_advice(context) -> list[Advice]:
+    trace, hw = context.trace, context.hardware
+    events = trace.events
+    step = analysed_step(trace)
+    window = step_slice(events, step)
+    part = events.iloc[window]
+    if not len(part):
+        return []
+    is_input = (part["category"] == schema.INPUT).to_numpy() \
+        & (part["action"] == schema.ALLOC).to_numpy()
+    on_gpu = _on_gpu(part["device"])
+    sizes = part["size_bytes"].to_numpy(dtype=np.int64)
+    host_bytes = int(sizes[is_input & ~on_gpu].sum())
+    device_rows = np.flatnonzero(is_input & on_gpu)
+    device_bytes = int(sizes[device_rows].sum())
+    before_forward_s = _time_before_forward(trace, part, step)
+    target_gpu = hw is not None and hw.device_type == "cuda"
+    found = []
+    details = {"host_batch_bytes": host_bytes, "device_batch_bytes": device_bytes,
+               "seconds_before_forward": before_forward_s,
+               "step_seconds": _step_seconds(trace, step)}
+    copied = device_bytes or (host_bytes if target_gpu else 0)
+    if target_gpu and copied:
+        link = float(hw.host_link_bytes_s)
+        copy_s = copied / link
+        where = _copy_location(part, device_rows)
+        recorded_copy = bool(device_bytes)
+        found.append(Advice(
+            kind=KIND, status=SUGGESTED, seconds=copy_s, location=where,
+            title="DataLoader(pin_memory=True) and .to(device, non_blocking=True)",
+            reason=(f"{format_bytes(copied)} of batch "
+                    f"{'is' if recorded_copy else 'would be'} copied to the GPU each step: "
+                    f"{copy_s * 1e3:.2f} ms at the target's {link / 1e9:.0f} GB/s host link, "
+                    "which a pinned source and a non_blocking copy overlap with compute "
+                    "(a pageable source is staged through a pinned buffer and blocks); the "
+                    f"pinned buffers cost {format_bytes(host_bytes or copied)} of page-locked "
+                    "host memory per batch in flight (the pin thread holds up to "
+                    "num_workers x prefetch_factor of them, 2 per worker by default)"),
+            details={**details, "copy_bytes": copied, "copy_seconds": copy_s,
+                     "pinned_bytes_per_batch": host_bytes or copied}))
+    if before_forward_s is not None and (host_bytes or device_bytes):
+        share = before_forward_s / details["step_seconds"] if details["step_seconds"] else 0.0
+        found.append(Advice(
+            kind=KIND, status=MISSING if share < 0.1 else SUGGESTED, seconds=before_forward_s,
+            title="time before the forward (loading, copying, zero_grad)",
+            reason=(f"{before_forward_s * 1e3:.1f} ms of the {details['step_seconds'] * 1e3:.1f}"
+                    f" ms step passes before the first forward op (measured while profiling, "
+                    f"profiler overhead included)"
+                    + ("; over a tenth of the step: more DataLoader workers, or prefetching, "
+                       "would hide it" if share >= 0.1 else "")),
+            details={**details, "share_of_step": share}))
+    if host_bytes or device_bytes:
+        found.append(Advice(
+            kind=KIND, status=MISSING, title="not in the trace: " + NOT_RECORDED[0] + ", ...",
+            reason="the trace does not record " + "; ".join(NOT_RECORDED) + ": the pinned "
+                   "bytes above are per batch, not for the batches in flight",
+            details={"not_recorded": list(NOT_RECORDED)}))
+    return found
+
+
+def _time_before_forward(trace, part, step) -> float | None:
+    """Seconds from the step's start to its first forward event (None: unknown)."""
+    steps = {s.get("index"): s for s in trace.meta.steps or []}
+    info = steps.get(step)
+    forward = np.flatnonzero((part["phase"] == schema.FORWARD).to_numpy())
+    if info is None or not len(forward) or not info.get("start_ns"):
+        return None
+    first = int(part["time_ns"].to_numpy()[forward[0]])
+    seconds = (first - int(info["start_ns"])) / 1e9
+    return seconds if seconds >= 0 else None
+
+
+def _on_gpu(devices) -> np.ndarray:
+    """Which rows are on a GPU, by category where the column is one (no string per row)."""
+    if hasattr(devices, "cat"):
+        gpu = np.array([str(name).startswith("cuda") for name in devices.cat.categories], bool)
+        codes = devices.cat.codes.to_numpy()
+        return np.where(codes >= 0, gpu[np.maximum(codes, 0)] if len(gpu) else False, False)
+    return devices.astype(str).str.startswith("cuda").to_numpy()
+
+
+def _step_seconds(trace, step) -> float:
+    for info in trace.meta.steps or []:
+        if info.get("index") == step:
+            return float(info.get("duration_s") or 0.0)
+    return 0.0
+
+
+def _copy_location(part, device_rows: np.ndarray) -> str:
+    """'file:line' of the largest device copy of the batch ('' when unknown)."""
+    if not len(device_rows):
+        return ""
+    largest = device_rows[np.argmax(part["size_bytes"].to_numpy()[device_rows])]
+    name = str(part["source_file"].to_numpy()[largest])
+    line = int(part["source_line"].to_numpy()[largest])
+    return f"{name}:{line}" if name else ""
