@@ -6,7 +6,8 @@ from memadvisor.trace.io import read_trace
 
 
 def write_events(path, rows: list[tuple], device: str = "cpu", steps: int = 1,
-                 step_seconds: float = 0.1, step_of=None, time_of=None) -> str:
+                 step_seconds: float = 0.1, step_of=None, time_of=None,
+                 step_start_ns: int = 0) -> str:
     """``rows``: (action, storage id, bytes, category, op, phase, input ids, source line)
     or the same with a device after the line; an alloc's free repeats its columns."""
     alive = {}
@@ -32,7 +33,7 @@ def write_events(path, rows: list[tuple], device: str = "cpu", steps: int = 1,
         source_function=["forward"] * count)
     meta = TraceMeta(device=device, steps_requested=steps, steps_completed=steps,
                      step_detection="optimizer", cwd="/work",
-                     steps=[{"index": s, "start_ns": 0, "end_ns": 0,
+                     steps=[{"index": s, "start_ns": step_start_ns, "end_ns": 0,
                              "duration_s": step_seconds, "peak_bytes": 0}
                             for s in range(steps)])
     write_trace(path, events_table(columns), meta)
