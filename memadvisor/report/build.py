@@ -1,7 +1,8 @@
 """Everything a report shows, computed from traces as plain data (no HTML here).
 
 ``build_report`` gathers the summary (peak, breakdown, sites, modules), the decimated
-timeline, the budget verdict, the plan predictions and the baseline comparison; ``html``
+timeline, the budget verdict, the plan predictions, the advice beyond plans and the
+baseline comparison; ``html``
 turns that into a page.  Kept apart so the numbers can be tested without parsing HTML.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from ..trace.io import Trace
 from ..trace.summary import shorten_paths, summarize
 from ..units import format_bytes
+from .advice import report_advice
 from .compare import compare_traces
 from .plans import PlanSection, out_of_memory_lines, predict_plans
 from .timeline import MAX_BUCKETS, StepTimeline, extreme_positions, step_timeline
@@ -60,6 +62,9 @@ class ReportData:
     generated_unix_s: float = 0.0
     #: where the run runs out of the budget's (or the recorded device's) memory, as text
     out_of_memory: list[str] = field(default_factory=list)
+    #: ``memadvisor.advice`` as dicts (in-place changes, allocator settings, data loading)
+    advice: list[dict[str, Any]] = field(default_factory=list)
+    advice_note: str = ""  #: why there is no advice, where it could not be read
 
 
 def headline(summary: dict[str, Any], budget_bytes: int | None, num_gpus: int = 1) -> Headline:
@@ -106,6 +111,7 @@ def build_report(trace: Trace, *, budget_bytes: int | None = None, num_gpus: int
         plans.recommended.timeline = decimate_pairs(plans.recommended.timeline,
                                                     max(max_buckets // 2, 1))
     comparison = compare_traces(baseline, trace) if baseline is not None else None
+    advice, advice_note = report_advice(trace)
     return ReportData(
         trace=trace, summary=summary,
         timeline=step_timeline(trace, max_buckets=max_buckets),
@@ -113,4 +119,5 @@ def build_report(trace: Trace, *, budget_bytes: int | None = None, num_gpus: int
         source_code=source_code, comparison=comparison,
         baseline_path=baseline.path if baseline is not None else "",
         generated_unix_s=time.time(),
-        out_of_memory=out_of_memory_lines(trace, budget_bytes))
+        out_of_memory=out_of_memory_lines(trace, budget_bytes),
+        advice=advice, advice_note=advice_note)

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..advice.output import short_location
 from ..ui import figures
 from ..units import format_bytes as fb
 from .build import ReportData
@@ -244,6 +245,36 @@ def _plans(page: _Page, data: ReportData) -> str:
     return "".join(parts) + "</section>"
 
 
+#: how each advice status is headed in the report's table
+_ADVICE_STATUS = {"suggested": "suggested", "refused": "refused",
+                  "missing": "not known from the trace"}
+
+
+def _advice(data: ReportData) -> str:
+    title = ('<section id="advice"><h2>Advice beyond plans</h2><p class="meta">Read from '
+             "the trace: in-place ops, caching-allocator settings, data loading.  Bytes are "
+             "off the analysed step's peak (reserved memory for allocator settings); refused "
+             "changes would break autograd or the script.</p>")
+    if not data.advice:
+        message = data.advice_note or ("None: no change the trace shows would save "
+                                       "anything.")
+        return f'{title}<p id="advice-none">{e(message)}</p></section>'
+    rows = []
+    for item in data.advice:
+        saves = fb(item["bytes_saved"]) if item["bytes_saved"] else ""
+        if item.get("seconds") is not None:
+            saves += (" · " if saves else "") + f"{item['seconds'] * 1e3:.2f} ms/step"
+        rows.append([e(_ADVICE_STATUS.get(item["status"], item["status"])),
+                     e(item["kind"].replace("_", " ")), f"<code>{e(item['title'])}</code>",
+                     e(short_location(item["location"], data.trace.meta.cwd or "")),
+                     e(saves), e(item["reason"])])
+    table = _table([("status", ""), ("kind", ""), ("change", ""), ("where", ""),
+                    ("saves", "num"), ("why", "")], rows,
+                   [item["status"] == "suggested" and item["bytes_saved"] > 0
+                    and "recommended" or "" for item in data.advice], "advice-table")
+    return title + table + "</section>"
+
+
 def _comparison(page: _Page, data: ReportData) -> str:
     c = data.comparison
     if c is None:
@@ -310,7 +341,8 @@ def render_html(data: ReportData, plotly_js: str | None = None) -> str:
     page = _Page()
     body = [_header(data), _headline(data), _out_of_memory(data), _timeline(page, data),
             _breakdown(page, data),
-            _sites(data), _modules(page, data), _plans(page, data), _comparison(page, data),
+            _sites(data), _modules(page, data), _plans(page, data), _advice(data),
+            _comparison(page, data),
             _steps(data)]
     generated = _dt.datetime.fromtimestamp(data.generated_unix_s, _dt.timezone.utc)
     title = e(f"memadvisor report: {data.trace.meta.script or data.trace.path}")
