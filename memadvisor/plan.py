@@ -448,6 +448,72 @@ def repeated_blocks(modules: Iterable[Any]) -> list[str]:
     return best[1] if best else []
 
 
+#: child names that make a module an attention or an MLP block for ``tp`` (shared by apply,
+#: which splits them, and simulate, which predicts the split); first match per role wins
+TP_QUERY = ("q_proj", "wq", "query", "q", "to_q", "q_lin", "q_linear")
+TP_KEY = ("k_proj", "wk", "key", "k", "to_k", "k_lin", "k_linear")
+TP_VALUE = ("v_proj", "wv", "value", "v", "to_v", "v_lin", "v_linear")
+TP_ATTENTION_OUT = ("o_proj", "wo", "out_proj", "c_proj", "proj", "dense", "o", "out_lin",
+                    "out", "to_out", "o_linear")
+TP_FUSED_QKV = ("qkv", "c_attn", "Wqkv", "qkv_proj", "query_key_value", "in_proj", "to_qkv")
+TP_MLP_UP = ("fc", "fc1", "c_fc", "w1", "w3", "up_proj", "gate_proj", "dense_h_to_4h", "lin1",
+             "up", "gate", "wi", "wi_0", "wi_1")
+TP_MLP_DOWN = ("proj", "fc2", "c_proj", "w2", "down_proj", "dense_4h_to_h", "lin2", "down",
+               "wo")
+
+
+@dataclass
+class TensorParallelBlocks:
+    """What ``tp`` splits: block path -> {"up": column-parallel Linear names, "down": the
+    row-parallel one}, and attention blocks kept whole with the reason."""
+    attention: dict[str, dict[str, list[str]]]
+    mlp: dict[str, dict[str, list[str]]]
+    kept: dict[str, str]
+
+    def linear_styles(self) -> dict[str, str]:
+        """Every split Linear's path -> 'colwise' | 'rowwise'."""
+        out = {}
+        for blocks in (self.attention, self.mlp):
+            for path, roles in blocks.items():
+                for role, names in roles.items():
+                    for name in names:
+                        out[f"{path}.{name}" if path else name] = (
+                            "rowwise" if role == "down" else "colwise")
+        return out
+
+
+def tensor_parallel_blocks(modules: Iterable[Any]) -> TensorParallelBlocks:
+    """The attention and MLP blocks ``tp`` splits, from the module tree (paths and class
+    names; a child counts as a Linear when its class is ``Linear``): attention = q, k, v
+    and an output Linear among the module's children; MLP = up (and gate) Linears and one
+    down Linear.  A fused qkv Linear keeps its attention whole (the forward splits its
+    output at fixed widths, which a column split would not follow)."""
+    children: dict[str, dict[str, str]] = {}
+    for m in module_entries(modules):
+        if m.path:
+            parent, _, leaf = m.path.rpartition(".")
+            children.setdefault(parent, {})[leaf] = m.type
+    attention, mlp, kept = {}, {}, {}
+    for path, kids in children.items():
+        linears = {name for name, kind in kids.items() if kind == "Linear"}
+        q, k, v, out = ([n for n in names if n in linears] for names in (
+            TP_QUERY, TP_KEY, TP_VALUE, TP_ATTENTION_OUT))
+        if q and k and v and out:
+            attention[path] = {"up": [q[0], k[0], v[0]], "down": [out[0]]}
+            continue
+        fused = [n for n in TP_FUSED_QKV if n in linears]
+        if fused:
+            kept[path] = (f"fused {fused[0]} Linear (q, k and v in one output, split by the "
+                          "forward at fixed widths): a column split would not follow heads, "
+                          "so this attention stays replicated")
+            continue
+        up = [n for n in TP_MLP_UP if n in linears]
+        down = [n for n in TP_MLP_DOWN if n in linears and n not in up]
+        if up and len(down) == 1:
+            mlp[path] = {"up": up, "down": down}
+    return TensorParallelBlocks(attention, mlp, kept)
+
+
 def auto_checkpoint_modules(modules: Iterable[Any]) -> list[str]:
     """What ``checkpoint=auto`` recomputes: each repeated block, or, when the repeated
     units are single layers (``Sequential(Linear, ReLU, Linear, ...)``, where wrapping one

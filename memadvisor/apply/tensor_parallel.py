@@ -33,18 +33,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..plan import Plan, PlanError
+from ..plan import ModuleEntry, Plan, PlanError, tensor_parallel_blocks
 
-#: child names of an attention's query/key/value Linears, per role
-QUERY = ("q_proj", "wq", "query", "q", "to_q", "q_lin", "q_linear")
-KEY = ("k_proj", "wk", "key", "k", "to_k", "k_lin", "k_linear")
-VALUE = ("v_proj", "wv", "value", "v", "to_v", "v_lin", "v_linear")
-ATTENTION_OUT = ("o_proj", "wo", "out_proj", "c_proj", "proj", "dense", "o", "out_lin",
-                 "out", "to_out", "o_linear")
-FUSED_QKV = ("qkv", "c_attn", "Wqkv", "qkv_proj", "query_key_value", "in_proj", "to_qkv")
-MLP_UP = ("fc", "fc1", "c_fc", "w1", "w3", "up_proj", "gate_proj", "dense_h_to_4h", "lin1",
-          "up", "gate", "wi", "wi_0", "wi_1")
-MLP_DOWN = ("proj", "fc2", "c_proj", "w2", "down_proj", "dense_4h_to_h", "lin2", "down", "wo")
 #: attributes holding a head count the attention's forward reshapes with
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads",
                    "n_kv_head", "num_kv_heads", "num_key_value_heads", "n_local_heads",
@@ -76,46 +66,29 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _linear_children(module: nn.Module) -> dict[str, nn.Linear]:
-    return {n: c for n, c in module.named_children() if isinstance(c, nn.Linear)}
-
-
 def find_layout(model: nn.Module, tp: int) -> Layout:
-    """The attention and MLP blocks of ``model`` and how they split over ``tp`` ranks, or
-    PlanError naming what cannot be split."""
-    layout = Layout()
-    for path, module in model.named_modules():
-        linears = _linear_children(module)
-        if not linears:
-            continue
-        q = [n for n in QUERY if n in linears]
-        k = [n for n in KEY if n in linears]
-        v = [n for n in VALUE if n in linears]
-        out = [n for n in ATTENTION_OUT if n in linears]
-        if q and k and v:
-            if not out:
-                raise PlanError(f"tp={tp}: attention {path or '<model>'} has q/k/v Linears but "
-                                f"no output projection among {', '.join(ATTENTION_OUT)}")
-            layout.attention[path] = {"up": [q[0], k[0], v[0]], "down": [out[0]]}
-            layout.heads[path] = _head_counts(module, path, tp)
-            continue
-        fused = [n for n in FUSED_QKV if n in linears]
-        if fused:
-            layout.kept[path] = (f"fused {fused[0]} Linear (q, k and v in one output, split by "
-                                 "the forward at fixed widths): a column split would not "
-                                 "follow heads, so this attention stays replicated")
-            continue
-        up = [n for n in MLP_UP if n in linears]
-        down = [n for n in MLP_DOWN if n in linears and n not in up]
-        if up and len(down) >= 1:
-            widths = {linears[n].out_features for n in up}
-            down = [n for n in down if linears[n].in_features in widths]
-            if len(widths) == 1 and len(down) == 1:
-                layout.mlp[path] = {"up": up, "down": down}
-    if not layout.attention and not layout.mlp:
+    """The attention and MLP blocks of ``model`` (``plan.tensor_parallel_blocks``, which
+    simulate uses too) and how they split over ``tp`` ranks, or PlanError naming what
+    cannot be split."""
+    entries = [ModuleEntry(path, "Linear" if isinstance(m, nn.Linear) else type(m).__name__,
+                           sum(p.numel() for p in m.parameters()))
+               for path, m in model.named_modules()]
+    blocks = tensor_parallel_blocks(entries)
+    if not blocks.attention and not blocks.mlp:
         raise PlanError(f"tp={tp} found no attention (q/k/v and output Linears) or MLP (up and "
                         "down Linears) block to split in the model; name its Linears like "
                         "q_proj/k_proj/v_proj/o_proj and up_proj/down_proj, or use shard=")
+    modules = dict(model.named_modules())
+    layout = Layout(attention=blocks.attention, mlp=blocks.mlp, kept=blocks.kept)
+    for path in blocks.attention:
+        layout.heads[path] = _head_counts(modules[path], path, tp)
+    for path, roles in blocks.mlp.items():
+        widths = {modules[_join(path, n)].out_features for n in roles["up"]}
+        if widths != {modules[_join(path, roles["down"][0])].in_features}:
+            raise PlanError(f"tp={tp}: MLP {path or '<model>'} has up Linears of widths "
+                            f"{sorted(widths)} but its down Linear {roles['down'][0]} takes "
+                            f"{modules[_join(path, roles['down'][0])].in_features} features: "
+                            "not an up/down pair tp can split")
     _check_divisible(model, layout, tp)
     return layout
 
