@@ -9,7 +9,8 @@ An ``Advice`` names what it concerns in bytes (saved at the analysed step's peak
 figure a budget cares about) or seconds (per step), where to change it (a source line or
 an environment variable), and why -- or why not: a change that would break autograd or the
 script is listed as ``refused`` with its reason, and what the trace does not record is
-said (``missing``) rather than guessed.
+said (``missing``) rather than guessed; a measured figure that implies no change by itself
+(the input side's time per step) is ``info``.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from typing import Any, Callable
 
 from ..trace.io import Trace
 
-#: statuses: a change to make, one not to make (and why), or what the trace cannot tell
-SUGGESTED, REFUSED, MISSING = "suggested", "refused", "missing"
+#: statuses: a change to make, one not to make (and why), what the trace cannot tell, or a
+#: measured figure that implies no change by itself
+SUGGESTED, REFUSED, MISSING, INFO = "suggested", "refused", "missing", "info"
 
 
 @dataclass(kw_only=True)
@@ -73,14 +75,15 @@ PROVIDERS: list[Provider] = _providers()
 def collect(trace: Trace, base, hardware, providers: list[Provider] | None = None
             ) -> list[Advice]:
     """Every provider's advice for ``trace`` on ``hardware``: suggested first (most bytes
-    saved, then most seconds), then refused, then what is missing, each kind in order."""
+    saved, then most seconds), then refused, measured figures, what is missing; within a
+    status, kinds in ``PROVIDERS``' order."""
     context = AdviceContext(trace, base, hardware)
     found: list[Advice] = []
     for provider in PROVIDERS if providers is None else providers:
         found += provider(context)
-    rank = {SUGGESTED: 0, REFUSED: 1, MISSING: 2}
+    rank = {SUGGESTED: 0, REFUSED: 1, INFO: 2, MISSING: 3}
     order = {kind: i for i, kind in enumerate(dict.fromkeys(a.kind for a in found))}
-    return sorted(found, key=lambda a: (rank.get(a.status, 3), order[a.kind],
+    return sorted(found, key=lambda a: (rank.get(a.status, 4), order[a.kind],
                                         -a.bytes_saved, -(a.seconds or 0.0)))
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 
 from ..units import format_bytes
-from . import MISSING, REFUSED, SUGGESTED
+from . import INFO, MISSING, REFUSED, SUGGESTED
 
 #: how many of each status the text shows (the JSON has them all)
-SHOWN = {SUGGESTED: 8, REFUSED: 5, MISSING: 5}
+SHOWN = {SUGGESTED: 8, REFUSED: 5, INFO: 5, MISSING: 5}
 HEADINGS = {SUGGESTED: "suggested", REFUSED: "refused (would break autograd or the script)",
-            MISSING: "not known from the trace"}
+            INFO: "measured", MISSING: "not known from the trace"}
 
 
 def advice_text(advice: list[dict], base_folder: str = "") -> str:
@@ -19,7 +19,7 @@ def advice_text(advice: list[dict], base_folder: str = "") -> str:
     if not advice:
         return "\n".join(lines + ["  none: no in-place change, allocator setting or data "
                                   "loading change the trace shows would save anything"])
-    for status in (SUGGESTED, REFUSED, MISSING):
+    for status in (SUGGESTED, REFUSED, INFO, MISSING):
         items = [a for a in advice if a["status"] == status]
         if not items:
             continue

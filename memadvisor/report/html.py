@@ -246,7 +246,7 @@ def _plans(page: _Page, data: ReportData) -> str:
 
 
 #: how each advice status is headed in the report's table
-_ADVICE_STATUS = {"suggested": "suggested", "refused": "refused",
+_ADVICE_STATUS = {"suggested": "suggested", "refused": "refused", "info": "measured",
                   "missing": "not known from the trace"}
 
 
