@@ -13,8 +13,8 @@ import dash_ag_grid as dag
 from dash import Input, Output, Patch, State, dcc, html, no_update
 
 from ..units import format_bytes
+from . import clicks, figures
 from . import data as ui_data
-from . import figures
 from .views import Dashboard
 
 PAGE_STYLE = {"fontFamily": figures.FONT_FAMILY, "maxWidth": "1400px", "margin": "0 auto",
@@ -79,6 +79,10 @@ def _grid(grid_id: str, pairs, rows=None, *, page_size: int | None = None,
         columns.append(column)
     options: dict[str, Any] = {"domLayout": "autoHeight"} if height == "auto" else {}
     options["animateRows"] = False
+    if height != "auto":
+        # a grid of fixed height draws its rows at once, not spread over animation frames
+        # (ag-grid's default, for smooth scrolling): a click waits for every visible row
+        options["suppressAnimationFrame"] = True
     if page_size:
         options.update(pagination=True, paginationPageSize=page_size,
                        paginationPageSizeSelector=False)
@@ -184,6 +188,7 @@ def layout(board: Dashboard, budget_text: str = "") -> html.Div:
         _section("What is alive at this moment",
                  html.P(moment_caption, id="moment-caption"),
                  dcc.Store(id="moment-key"), dcc.Store(id="moment-drawn"),
+                 dcc.Store(id="moment-clicks"),
                  html.Div([
                      html.Div(dcc.Graph(id="moment-breakdown", figure=moment_figure,
                                         config=GRAPH_CONFIG),
@@ -234,18 +239,16 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
         figure, caption = board.timeline_view(step, budget)
         return figure, caption, new_unit
 
-    # a click's answer comes in two: the table (what the page waits for), then, asked once
-    # the table is there, the chart of bytes per category beside it
+    # a click is answered outside Dash's callbacks (``clicks``: the page posts the point
+    # and fills the grid itself); a new step starts at its peak, through Dash
+    clicks.register(app, board)
+
     @app.callback(Output("moment-caption", "children"), Output("moment-table", "rowData"),
-                  Output("moment-key", "data"),
-                  Input("step", "value"), Input("timeline", "clickData"),
+                  Output("moment-key", "data"), Input("step", "value"),
                   prevent_initial_call=True)
-    def _moment(step, click_data):
-        # a new step starts at its peak: the last click belonged to the old figure
-        if dash.ctx.triggered_id == "step":
-            click_data = None
-        caption, rows = board.moment_table(step, click_data)
-        return caption, rows, {"step": step, "click": click_data}
+    def _moment(step):
+        caption, rows = board.moment_table(step, None)
+        return caption, rows, {"step": step, "click": None}
 
     # the chart is asked once the page has drawn the table (a frame later): its answer,
     # redrawn by plotly, would otherwise hold up the grid's rows behind it

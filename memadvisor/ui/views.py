@@ -77,7 +77,9 @@ class Dashboard:
         step = ui_data.step_value(step_value)
         timeline = self.data.timeline(step)
         fig = figures.timeline_figure(timeline, budget_bytes=self._budget_or_none(budget_text))
-        fig.update_layout(clickmode="event", height=420)
+        # the step in the figure itself: a click names the step of the figure clicked
+        fig.update_layout(clickmode="event", height=420,
+                          meta={"step": ui_data.WHOLE_RUN if step is None else step})
         peak = timeline.peak or {}
         caption = (f"{timeline.events_in_step:,} events in the step, drawn as "
                    f"{timeline.points:,} points (each bucket keeps its lowest and highest "

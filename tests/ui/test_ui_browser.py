@@ -69,6 +69,23 @@ def test_dashboard_in_the_browser(ui_model_trace, synthetic_traces):
             assert sizes.count() > 0
             # byte counts stay numbers in the grid, shown in binary units
             assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", sizes.first.inner_text().strip())
+            # the caption and the grid are the server's answer for the point clicked (the
+            # page asks ui.clicks' route, not a Dash callback) ...
+            clicked = page.evaluate("document.querySelector('#timeline .js-plotly-plot')"
+                                    "._hoverdata[0].pointIndex")
+            click = {"points": [{"pointIndex": clicked}]}
+            caption, rows = board.moment_table(2, click)
+            assert page.locator("#moment-caption").inner_text() == caption
+            drawn = page.evaluate(
+                "Array.from(document.querySelectorAll('#moment-table "
+                ".ag-center-cols-container .ag-row')).map(r => [Number(r.getAttribute("
+                "'row-index')), r.getAttribute('row-id')])")
+            assert drawn and all(rows[i]["row_id"] == row_id for i, row_id in drawn)
+            # ... and the chart beside it follows (asked once the table is drawn)
+            page.wait_for_function(
+                "() => { const g = document.querySelector('#moment-breakdown .js-plotly-plot');"
+                " return g && g.layout.title.text.includes('selected moment'); }",
+                timeout=10_000)
             SCREENSHOTS.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOTS / "dashboard.png"), full_page=True)
             browser.close()
