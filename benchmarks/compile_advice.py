@@ -1,0 +1,88 @@
+"""The compile advice against real ``torch.compile`` runs of the bundled examples.
+
+    OMP_NUM_THREADS=1 python benchmarks/compile_advice.py [--method fake|real] [NAME ...]
+
+Per example: ``memadvisor profile`` (real CPU, 3 steps) writes the eager trace; the advice
+(``memadvisor.advice.compile_saving``) predicts the compiled saved bytes and step peak
+from it; the ground truth runs the script with its model compiled by inductor (C++ on this
+CPU) for 3 steps (``measure_compiled_run``): the saved bytes at the last backward and the
+last step's peak CPU bytes from the native allocator hook, beside the same run eager.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from memadvisor.advice.compile_saving import compile_saving, measure_compiled_run  # noqa: E402
+
+EXAMPLES = ["mlp_regressor", "cnn_classifier", "gpt_lm", "vit_classifier"]
+
+
+def error(predicted: int, measured: int) -> str:
+    return f"{100.0 * (predicted - measured) / measured:+.2f}%" if measured else "n/a"
+
+
+def run(name: str, folder: Path, method: str) -> dict:
+    trace = folder / f"{name}.trace"
+    subprocess.run([sys.executable, "-m", "memadvisor.cli", "profile",
+                    str(ROOT / "examples" / f"{name}.py"), "-o", str(trace), "--steps", "3",
+                    "-q"], check=True, cwd=str(ROOT), capture_output=True)
+    started = time.monotonic()
+    advice = compile_saving(trace, method=method)
+    predict_s = time.monotonic() - started
+    started = time.monotonic()
+    compiled = measure_compiled_run(trace, backend="inductor", steps=3)
+    inductor_s = time.monotonic() - started
+    eager = measure_compiled_run(trace, backend="eager", steps=3)
+    return {"name": name, "advice": advice, "predict_s": predict_s, "inductor_s": inductor_s,
+            "compiled": compiled, "eager": eager}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", default=EXAMPLES)
+    parser.add_argument("--method", choices=["fake", "real"], default="fake")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="compile-advice-") as folder:
+        for name in args.names:
+            rows.append(run(name, Path(folder), args.method))
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    print(f"saved activations (bytes), prediction on {args.method} tensors against inductor "
+          "on this CPU:")
+    print("| example | eager saved | predicted compiled | measured compiled | error | "
+          "graphs | graph breaks | predict s | inductor run s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        advice, compiled = row["advice"], row["compiled"]
+        measured = compiled["saved_bytes"][-1]
+        print(f"| {row['name']} | {advice.eager_saved_bytes:,} | "
+              f"{advice.compiled_saved_bytes:,} | {measured:,} | "
+              f"{error(advice.compiled_saved_bytes, measured)} | {len(advice.graphs)} | "
+              f"{sum(advice.graph_breaks.values())} | {row['predict_s']:.1f} | "
+              f"{row['inductor_s']:.1f} |")
+    print()
+    print("step peak (bytes): the eager trace's analysed step, the prediction from it, and the "
+          "last of 3 steps measured by the native CPU allocator hook:")
+    print("| example | eager trace peak | activation at peak | predicted compiled peak | "
+          "measured eager peak | measured compiled peak | error |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        advice = row["advice"]
+        measured = row["compiled"]["step_peak_bytes"][-1]
+        print(f"| {row['name']} | {advice.eager_peak_bytes:,} | "
+              f"{advice.activation_at_peak_bytes:,} | {advice.predicted_peak_bytes:,} | "
+              f"{row['eager']['step_peak_bytes'][-1]:,} | {measured:,} | "
+              f"{error(advice.predicted_peak_bytes, measured)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
