@@ -6,8 +6,11 @@ whose output has its input's size and dtype, and that is the last op to read tha
 could write into the input instead of a new storage.  The trace says whether that is safe
 for autograd from the input's lifetime alone:
 
-- it dies in the forward: nothing saved it for backward, nothing reads it later -- the
-  change is **suggested**;
+- it dies right after the op (before the next op that reads anything allocates): nothing
+  saved it for backward, nothing reads it later -- the change is **suggested**;
+- it dies later in the forward: the script holds it while other ops run, and one of them
+  may read it unseen (an in-place op allocates nothing, so the trace records no read) --
+  **refused**;
 - it lives into the backward: an op saved it (autograd would raise "modified by an
   inplace operation", or the in-place form keeps a copy: ``silu_``, ``gelu_``), or the
   script holds it -- **refused**;
@@ -70,6 +73,9 @@ REASONS = {
     "backward": "its input stays alive into the backward: an op saved it for backward "
                 "(in place, autograd raises 'modified by an inplace operation', or the "
                 "in-place form keeps a copy) or the script holds it",
+    "later": "its input stays alive while later ops run (the script holds it, or an op "
+             "the trace cannot see reads it: an in-place op allocates nothing): in place, "
+             "its values would change under them",
     "held": "its input outlives the step (the batch the loop holds, a value the script "
             "keeps): in place, the script's own tensor would change",
 }
@@ -83,7 +89,7 @@ def inplace_advice(context) -> list[Advice]:
     pairs = _pairs(timeline)
     if not len(pairs["output"]):
         return []
-    pairs["reason"] = _refusals(timeline, pairs["input"])
+    pairs["reason"] = _refusals(timeline, pairs["output"], pairs["input"])
     windows = _windows(timeline, pairs)
     pairs.update(windows)
     return _grouped(context, timeline, pairs)
@@ -123,7 +129,7 @@ _FORWARD = schema.PHASES.index(schema.FORWARD)
 _BACKWARD = schema.PHASES.index(schema.BACKWARD)
 
 
-def _refusals(timeline, inputs: np.ndarray) -> np.ndarray:
+def _refusals(timeline, outputs: np.ndarray, inputs: np.ndarray) -> np.ndarray:
     """Per pair, '' (suggested) or a ``REASONS`` key."""
     category = timeline.category[inputs]
     codes = {name: schema.CATEGORIES.index(name) for name in schema.CATEGORIES}
@@ -135,6 +141,14 @@ def _refusals(timeline, inputs: np.ndarray) -> np.ndarray:
     reason = np.full(len(inputs), "", dtype=object)
     in_forward = (free < n_events) & (free_at < backward_starts) \
         & (timeline.event_phase[free_at] == _FORWARD)
+    # dies right after: before the next op that read anything allocates (an op that
+    # allocates nothing -- an in-place op -- reads unseen: only this close is it safe)
+    ops_made = np.sort(timeline.alloc_key[(timeline.reads.counts() > 0)
+                                          & (timeline.alloc_key >= 0)])
+    after = np.searchsorted(ops_made, timeline.alloc_key[outputs], side="right")
+    next_op = np.where(after < len(ops_made), ops_made[np.minimum(after, len(ops_made) - 1)],
+                       np.inf)
+    reason[in_forward & (free > next_op)] = "later"
     reason[~in_forward] = "backward"
     reason[(free >= n_events) | (timeline.alloc_key[inputs] < 0)] = "held"
     reason[category == codes[schema.BUFFER]] = "buffer"

@@ -132,3 +132,22 @@ def test_two_changes_needed_together_are_counted_together(tmp_path):
     # P + x + h + out + grad = 19 KB is the peak
     assert together.bytes_saved == 25 * KB - 19 * KB
     assert sub.status == relu.status == SUGGESTED
+
+
+def test_an_input_that_dies_only_after_later_ops_is_refused(tmp_path):
+    # y = relu(a); z = y * 3 ...; a is freed after z's op ran: the script held it, and an
+    # in-place op (allocating nothing, so unseen) might have read it in between
+    events = [
+        ("alloc", 1, 4 * KB, "input", "aten::randn", O, [], 5),
+        ("alloc", 2, 4 * KB, "activation", "aten::exp", F, [1], 10),
+        ("alloc", 3, 4 * KB, "activation", "aten::relu", F, [2], 11),
+        ("alloc", 4, 4 * KB, "activation", "aten::mul", F, [3], 12),
+        ("free", 2, 0, "", "", F, [], 0),
+        ("alloc", 5, 100, "gradient", "aten::mul", B, [4], 13),
+        ("free", 3, 0, "", "", B, [], 0),
+        ("free", 4, 0, "", "", B, [], 0),
+    ]
+    trace, base = load(write_events(tmp_path / "later.trace", events))
+    items = collect(trace, base, hardware(None, "cpu"), providers=[inplace_advice])
+    relu, = by_line(items, 11)
+    assert relu.status == REFUSED and "later ops" in relu.reason
