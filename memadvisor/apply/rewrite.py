@@ -29,6 +29,7 @@ plan literal.
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -65,12 +66,8 @@ def moves_zero_grad(source: str, filename: str = "script.py") -> bool:
     backward in front of the micro-batch loop (``_Editor``): only in a raw loop with one
     forward..backward region; framework scripts (their own loops, their own knobs) and
     several backward calls per iteration keep theirs.  RewriteError if unparsable."""
-    try:
-        module = cst.parse_module(source)
-    except cst.ParserSyntaxError as exc:
-        raise RewriteError(f"cannot parse {filename}: {exc}") from None
-    from . import frameworks
-    if frameworks.detect(module, filename) is not None:
+    module, framework = _parsed(source, filename)
+    if framework is not None:
         return False
     try:
         found = ScriptFinder(module, filename).find()
@@ -79,7 +76,12 @@ def moves_zero_grad(source: str, filename: str = "script.py") -> bool:
     return bool(found.hoisted)
 
 
-def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewrite:
+@functools.lru_cache(maxsize=8)
+def _parsed(source: str, filename: str) -> tuple[cst.Module, str | None]:
+    """The script's syntax tree and the framework it trains with (None: a raw loop).  The
+    same for every plan: ``advise`` rewrites one script for each plan it checks, and
+    parsing and framework detection were most of each rewrite's time.  libcst trees are
+    immutable, so one can serve every rewrite.  RewriteError if unparsable."""
     try:
         compile(source, filename, "exec", dont_inherit=True)  # Python's own words for errors
         module = cst.parse_module(source)
@@ -90,7 +92,13 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
         raise RewriteError(f"cannot parse {filename}: line {exc.editor_line}: "
                            f"{str(exc.message).splitlines()[0]}") from None
     from . import frameworks  # HF Trainer, Lightning, accelerate: their own knobs, no loop edits
-    if frameworks.detect(module, filename) is not None:
+    return module, frameworks.detect(module, filename)
+
+
+def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewrite:
+    module, framework = _parsed(source, filename)
+    if framework is not None:
+        from . import frameworks
         return frameworks.rewrite(module, source, plan, filename)
     finder = ScriptFinder(module, filename)
     scheduler = scheduler_refusal(finder, plan)

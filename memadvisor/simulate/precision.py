@@ -661,29 +661,31 @@ def _sibling_gradients(timeline: Timeline, is_low: np.ndarray,
         return out
     first_made = np.full(len(timeline.modules) + 1, np.inf)
     np.minimum.at(first_made, module[forward], timeline.alloc_key[forward])
-    for row in orphans[~known].tolist():
-        # no sibling made that shape: the module's input came from further away (a
-        # pooling layer after a nested conv block): the tensor of that shape made last
-        # before the module's first forward tensor, whoever made it
-        start = first_made[int(module[row])]
-        found = _input_status(timeline, forward, is_low, row,
-                              float(start) if np.isfinite(start) else None)
-        out[row] = found == {True}
+    # no sibling made that shape: the module's input came from further away (a pooling
+    # layer after a nested conv block): the tensor of that shape made last before the
+    # module's first forward tensor, whoever made it
+    rows = orphans[~known]
+    out[rows] = _last_made_low(timeline, forward, forward_shape, is_low,
+                               orphan_shape[~known], first_made[module[rows]])
     return out
 
 
-def _input_status(timeline: Timeline, forward: np.ndarray, is_low: np.ndarray, row: int,
-                  module_start: float | None) -> set | None:
-    """{16-bit?} of the forward tensor shaped like ``row`` made last before its module's
-    first forward tensor (``module_start``): the module's input, whose gradient ``row``
-    is; None where there is none."""
-    if module_start is None:
-        return None
-    before = forward[(timeline.shape[forward] == timeline.shape[row])
-                     & (timeline.alloc_key[forward] < module_start)]
-    if not len(before):
-        return None
-    return {bool(is_low[before[np.argmax(timeline.alloc_key[before])]])}
+def _last_made_low(timeline: Timeline, forward: np.ndarray, forward_shape: np.ndarray,
+                   is_low: np.ndarray, shapes: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per query (a shape code and a key): whether the forward tensor of that shape made
+    last before the key is 16-bit (False where there is none).  By shape group, one
+    binary search per query."""
+    order = np.lexsort((timeline.alloc_key[forward], forward_shape))
+    rows, groups = forward[order], forward_shape[order]
+    keys = timeline.alloc_key[rows]
+    out = np.zeros(len(shapes), bool)
+    for code in np.unique(shapes):
+        lo, hi = np.searchsorted(groups, code, "left"), np.searchsorted(groups, code, "right")
+        asked = np.flatnonzero(shapes == code)
+        before = np.searchsorted(keys[lo:hi], starts[asked], "left") - 1
+        found = (before >= 0) & np.isfinite(starts[asked])
+        out[asked[found]] = is_low[rows[lo + before[found]]]
+    return out
 
 
 def _positions(shape: str) -> tuple[int, int]:
