@@ -5,8 +5,9 @@ modules and what they were made from), with its device, the op that made it (a d
 copy is ``aten::_to_copy``) and the source line; per step its start and end, and every
 event's time.  From those, for the analysed step:
 
-- host batch bytes made in the step (a DataLoader's batch) -- what ``pin_memory=True``
-  would also hold as page-locked buffers, once per batch in flight;
+- host batch bytes made in the step (a DataLoader's batch: host ``input`` storages and the
+  host storages the device copies read, ``input_ids``) -- what ``pin_memory=True`` would
+  also hold as page-locked buffers, once per batch in flight;
 - the bytes copied to the GPU and the source line of the copy, with the time that copy
   takes at the target's host link -- the time ``pin_memory=True`` with
   ``.to(device, non_blocking=True)`` lets the GPU overlap with compute;
@@ -24,10 +25,13 @@ import numpy as np
 
 from ..trace import schema
 from ..trace.analysis import analysed_step, step_slice
+from ..trace.io import id_lists
 from ..units import format_bytes
 from . import INFO, MISSING, SUGGESTED, Advice
 
 KIND = "data_loading"
+#: ops that copy a tensor to another device (``.to``, ``.cuda``, ``copy_``)
+COPY_OPS = ("aten::_to_copy", "aten::copy_", "aten::to")
 #: a copy shorter than this per step has nothing worth overlapping (6.4 MB at 64 GB/s)
 MIN_COPY_SECONDS = 1e-4
 NOT_RECORDED = ("whether the host batches were pinned", "whether the copies were "
@@ -47,9 +51,14 @@ def data_loading_advice(context) -> list[Advice]:
         & (part["action"] == schema.ALLOC).to_numpy()
     on_gpu = _on_gpu(part["device"])
     sizes = part["size_bytes"].to_numpy(dtype=np.int64)
-    host_bytes = int(sizes[is_input & ~on_gpu].sum())
-    device_rows = np.flatnonzero(is_input & on_gpu)
+    # the batch's copies to the GPU: inputs, and copies made before the forward (a label
+    # tensor a loss saves is categorised an activation)
+    copies = part["op"].isin(COPY_OPS).to_numpy() & (part["phase"] == schema.OTHER_PHASE
+                                                      ).to_numpy() \
+        & (part["action"] == schema.ALLOC).to_numpy()
+    device_rows = np.flatnonzero((is_input | copies) & on_gpu)
     device_bytes = int(sizes[device_rows].sum())
+    host_bytes = _host_batch_bytes(part, is_input & ~on_gpu, device_rows, on_gpu, sizes)
     before_forward_s = _time_before_forward(part)
     target_gpu = hw is not None and hw.device_type == "cuda"
     found = []
@@ -96,6 +105,27 @@ def data_loading_advice(context) -> list[Advice]:
                    "bytes above are per batch, not for the batches in flight",
             details={"not_recorded": list(NOT_RECORDED)}))
     return found
+
+
+def _host_batch_bytes(part, host_inputs: np.ndarray, device_rows: np.ndarray,
+                      on_gpu: np.ndarray, sizes: np.ndarray) -> int:
+    """Bytes of the host tensors the step's batch came from: host storages of category
+    ``input`` made in the step, and the host storages the device copies read (data flow:
+    a DataLoader's collated batch is fed to the model only through its copy, so it is not
+    an input itself).  Each storage once."""
+    allocs = (part["action"] == schema.ALLOC).to_numpy()
+    ids = part["storage_id"].to_numpy()
+    chosen = set(ids[host_inputs].tolist())
+    offsets, values = id_lists(part)
+    if len(device_rows) and len(values):
+        starts, stops = offsets[device_rows], offsets[device_rows + 1]
+        read = np.concatenate([values[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
+                              or [np.zeros(0, np.int64)])
+        host_allocs = allocs & ~on_gpu
+        copied = host_allocs & np.isin(ids, read)
+        chosen |= set(ids[copied].tolist())
+    made = allocs & ~on_gpu & np.isin(ids, np.fromiter(chosen, np.int64, len(chosen)))
+    return int(sizes[made].sum())
 
 
 def _time_before_forward(part) -> float | None:
