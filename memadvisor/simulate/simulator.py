@@ -7,7 +7,9 @@ Order (fixed; each step sees what the previous ones made):
 3. optimizer       state and step temporaries of the new optimizer; device rules
                    (foreach temporaries on a CUDA target); under zero2/zero3 the
                    gradients' FSDP lifetimes (unsharded until their reduce-scatter)
-4. batch           batch-dependent sizes scaled to the micro-batch B / (world * accum)
+4. batch           batch-dependent sizes scaled to the micro-batch B / (world / tp * accum)
+4b. tensor parallel the split Linears' state and the activations inside split blocks
+                   divided by tp, the all-reduced partial sums (``tensor_parallel``)
 5. sharding        per-rank shards, gathered units, DDP buckets
 6. offload         state / shards / saved activations moved to the host
 7. accumulation    the forward+backward segment repeated per micro-batch
@@ -32,7 +34,8 @@ from .batch import RESIZE_OP, mark_batch_scaling, parameter_shapes, scale_batch
 from .checkpoint import apply_checkpoint
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
                    work_profile)
-from .hardware import Hardware, cublas_workspace_bytes, device_rules, hardware
+from .hardware import (LINK_EFFICIENCY, Hardware, cublas_workspace_bytes, device_rules,
+                       hardware)
 from .bounds import LayoutBounds
 from .loop import hoisted_zero_grad, rewrites_loop
 from .offload import apply_offload, offload_activations, saved_activation_bytes
@@ -40,6 +43,7 @@ from .optimizer_swap import FOREACH_OP, apply_optimizer_swap
 from .precision import apply_precision, scaler_bytes
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline
 from .sharding import apply_sharding, fsdp_layout, shard_additions
+from .tensor_parallel import apply_tensor_parallel, communication_seconds
 
 
 @dataclass
@@ -168,8 +172,10 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
     else:
         micro = 0
     copies = collective_copies or device_rules(hw.device_type)["collective_copies"]
+    timeline, tp_notes = apply_tensor_parallel(timeline, plan, base.meta.modules)
     timeline, notes = apply_sharding(timeline, plan, base.blocks, base.block_parameter_fraction,
                                      copies)
+    notes.update(tp_notes)
     timeline, host = apply_offload(timeline, plan)
     # accumulation (7) is evaluated on this one-micro-step timeline: accumulated_peak
     return timeline, regions, notes, host, micro
@@ -219,6 +225,8 @@ def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
     the plan's layout bounds (``bounds.LayoutBounds``, one per lifetime layout, kept in
     ``bounds_cache``) instead of a replay; None where the bounds cannot express the plan.
     The returned prediction carries no timeline, categories or host bytes."""
+    if plan.tp > 1:
+        return None  # the bounds know nothing of tensor parallelism: replay it
     regions = _regions(base, plan, cache)
     micro = plan.micro_batch_size(base.batch_size) if base.batch_size else 0
     key = _layout_key(regions, plan, hw)
@@ -295,6 +303,8 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
     elif hw.device_type == "cpu":
         allocated = reserved = peak.bytes  # the CPU allocator does not cache
     cost = _cost(base, plan, hw, regions, host.get("activations_peak", 0.0))
+    if plan.tp > 1:
+        cost = _with_tensor_parallel_time(cost, notes, plan, hw)
     return Prediction(plan, peak.bytes, peak.by_category, allocated, reserved, cost, micro,
                       host, notes, regions, timeline, oom)
 
@@ -310,6 +320,17 @@ def _cost(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
     # gradients have the parameters' size and dtype
     return estimate(plan, base.work, hw, regions, parameter_bytes, parameter_bytes,
                     offloaded_activation_bytes, count)
+
+
+def _with_tensor_parallel_time(cost: Cost, notes: dict, plan: Plan, hw: Hardware) -> Cost:
+    """The tensor-parallel all-reduces (``tensor_parallel.communication_seconds``) added
+    to the step, as a named term."""
+    link = hw.interconnect_bytes_s * LINK_EFFICIENCY
+    seconds = communication_seconds(notes, plan.accum, link)
+    volume = notes.get("tensor_parallel", {}).get("communication_bytes_per_micro_step", 0.0)
+    terms = cost.terms + [(f"tp={plan.tp} all-reduces {volume * plan.accum:,.0f} B/step per "
+                           f"rank at {link / 1e9:.3g} GB/s, on the critical path", seconds)]
+    return Cost(cost.baseline_step_s, cost.step_time_s + seconds, terms, cost.assumptions)
 
 
 def _model_parameter_bytes(base: Baseline, plan: Plan) -> float:
@@ -393,7 +414,7 @@ def max_micro_batch(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: floa
     reserved memory: the allocator model checks it (``_largest_reserved_fit``)."""
     if not base.batch_size:
         return 0
-    parts = plan.world * plan.accum
+    parts = plan.data_parallel_size * plan.accum
     reference = max(base.batch_size // parts, 1)
     bounds = None
     if bounds_cache is not None:

@@ -1,0 +1,244 @@
+"""``tp=T`` (and ``sp``) per rank, as ``apply`` realises it with ``parallelize_module``.
+
+The blocks split are ``plan.tensor_parallel_blocks`` of the trace's module tree (the same
+function apply uses): in each, the column-parallel Linears (q/k/v, MLP up and gate) hold
+1/T of their rows and the row-parallel one (attention output, MLP down) 1/T of its
+columns.  Per rank, on the one micro-step timeline (after the batch split):
+
+* parameters, gradients and optimizer state of the split Linears (weights; biases of the
+  column-parallel ones -- a row-parallel bias is replicated) are divided by T.  Gradient
+  rows carry their Linear's path; parameter and optimizer-state rows do not, so they are
+  divided by size: of the tensors of one byte size, the share that are split tensors;
+* activations and temporaries made inside a split block (its Linears' outputs, attention
+  scores, the MLP hidden) are divided by T, except the two kinds of tensor that stay
+  whole: the row-parallel Linear's output (each rank's partial sum of the whole output)
+  and, in backward, a column-parallel Linear's input gradient (likewise partial);
+* each of those partial sums is all-reduced by a functional collective into a new tensor:
+  one transient copy of it exists beside the original (measured in the traces of
+  ``apply --plan tp=2 --profile``: the partial is freed right after the all-reduce);
+* everything else (embedding, norms, residual stream, LM head, attention kept whole) is
+  replicated: every rank of the group holds it whole;
+* ``sp``: activations and temporaries of the blocks' other modules (norms, residual adds)
+  are divided by T too, and each split block keeps a whole copy of its gathered input for
+  its backward (the all-gather's output is what its Linears save).  Not yet verified
+  against a run (apply refuses ``sp`` in this increment).
+
+Communication (for the step time): per micro-step, one all-reduce of each row-parallel
+output in forward and of each column-parallel input gradient in backward (PyTorch's
+ColwiseParallel all-reduces each such Linear's input gradient on its own: q, k and v make
+three); a ring all-reduce sends 2(T-1)/T of the bytes.  It is on the critical path.
+
+Pure numpy over the timeline (no torch).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ..plan import Plan, tensor_parallel_blocks
+from ..trace import schema
+from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
+
+_FORWARD, _BACKWARD = PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD]
+_OPTIMIZER = PHASE_CODE[schema.OPTIMIZER]
+_GRADIENT, _PARAMETER = CATEGORY_CODE[schema.GRADIENT], CATEGORY_CODE[schema.PARAMETER]
+_STATE, _TEMPORARY = CATEGORY_CODE[schema.OPTIMIZER_STATE], CATEGORY_CODE[schema.TEMPORARY]
+_ACTIVATION = CATEGORY_CODE[schema.ACTIVATION]
+#: ops whose output is a matmul's (the partial sums; a DTensor's bookkeeping makes bytes-size
+#: side tensors in the same module that are not)
+_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+
+
+def _inside(path: str, roots) -> bool:
+    return any(path == r or path.startswith(r + ".") or r == "" for r in roots)
+
+
+def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules) -> tuple[Timeline, dict]:
+    """The per-rank timeline under ``plan.tp`` and notes (what was split, the bytes each
+    rank all-reduces per micro-step)."""
+    if plan.tp < 2:
+        return timeline, {}
+    tp = plan.tp
+    blocks = tensor_parallel_blocks(modules)
+    styles = blocks.linear_styles()
+    regions = list(blocks.attention) + list(blocks.mlp)
+    notes = {"tensor_parallel": {"attention_blocks": len(blocks.attention),
+                                 "mlp_blocks": len(blocks.mlp),
+                                 "kept_replicated": dict(blocks.kept)}}
+    if not regions:
+        notes["tensor_parallel"]["problem"] = "no attention or MLP block to split"
+        return timeline, notes
+
+    names = timeline.modules
+    in_region = np.array([_inside(m, regions) for m in names], bool)[timeline.module]
+    colwise = np.array([styles.get(m) == "colwise" for m in names], bool)[timeline.module]
+    rowwise = np.array([styles.get(m) == "rowwise" for m in names], bool)[timeline.module]
+    matmul = timeline.op_in(_MATMUL_OPS)
+    category, phase = timeline.category, timeline.phase
+    flowing = np.isin(category, [_ACTIVATION, _TEMPORARY]) & np.isin(phase, [_FORWARD, _BACKWARD])
+
+    split_gradients = _split_gradient_rows(timeline, styles)
+    whole_partials = flowing & matmul & (((phase == _FORWARD) & rowwise)
+                                         | ((phase == _BACKWARD) & colwise))
+    split_flowing = flowing & in_region & ~whole_partials
+    if plan.sp:
+        stack = sorted({r.rpartition(".")[0] for r in regions})
+        in_stack = np.array([_inside(m, stack) for m in names], bool)[timeline.module]
+        kept = list(blocks.kept)
+        in_kept = np.array([_inside(m, kept) for m in names], bool)[timeline.module] \
+            if kept else np.zeros(len(timeline), bool)
+        split_flowing |= flowing & in_stack & ~in_region & ~in_kept & timeline.scales_with_batch
+
+    if plan.sp:
+        # the all-reduce becomes a reduce-scatter: what the block hands on is this rank's
+        # part of the sequence (its partial sum is the transient copy added below)
+        split_flowing |= whole_partials
+    factor = np.ones(len(timeline))
+    factor[split_gradients | split_flowing] = 1.0 / tp
+    factor *= _state_factors(timeline, split_gradients, tp)
+    sizes = timeline.size * factor
+    out = timeline.resized(sizes)
+
+    partial = np.flatnonzero(whole_partials & (timeline.size > 0))
+    forward_bytes = float(timeline.size[partial[phase[partial] == _FORWARD]].sum())
+    backward_bytes = float(timeline.size[partial[phase[partial] == _BACKWARD]].sum())
+    added = {"size": timeline.size[partial], "alloc_key": timeline.alloc_key[partial] - 0.5,
+             "free_key": timeline.alloc_key[partial] + 0.5,
+             "category": np.full(len(partial), _TEMPORARY, np.int8),
+             "dtype": timeline.dtype[partial], "module": timeline.module[partial],
+             "phase": phase[partial], "op": timeline.op[partial],
+             "scales_with_batch": timeline.scales_with_batch[partial],
+             "shape": timeline.shape[partial]}
+    out = out.appended(added)
+    if plan.sp:
+        out = out.appended(_gathered_inputs(timeline, styles))
+        out = out.appended(_kept_inputs(timeline, list(blocks.kept)))
+    ring = 2 * (tp - 1) / tp
+    notes["tensor_parallel"].update({
+        "split_linear_count": len(styles),
+        "all_reduce_bytes_forward": forward_bytes,
+        "all_reduce_bytes_backward": backward_bytes,
+        "communication_bytes_per_micro_step": ring * (forward_bytes + backward_bytes),
+        "sequence_parallel": plan.sp})
+    return out, notes
+
+
+def _split_gradient_rows(timeline: Timeline, styles: dict[str, str]) -> np.ndarray:
+    """Gradient rows of split tensors: every gradient of a column-parallel Linear; of a
+    row-parallel one its weight's (its largest), not its replicated bias'."""
+    names = timeline.modules
+    style = np.array([styles.get(m, "") for m in names], object)[timeline.module]
+    gradient = timeline.category == _GRADIENT
+    split = gradient & (style == "colwise")
+    rows = np.flatnonzero(gradient & (style == "rowwise"))
+    if len(rows):
+        largest: dict[int, float] = {}
+        for row in rows:
+            code = int(timeline.module[row])
+            largest[code] = max(largest.get(code, 0.0), float(timeline.size[row]))
+        for row in rows:
+            if timeline.size[row] == largest[int(timeline.module[row])]:
+                split[row] = True
+    return split
+
+
+def _state_factors(timeline: Timeline, split_gradients: np.ndarray, tp: int) -> np.ndarray:
+    """Per row: the factor for parameter and optimizer-state rows (and the optimizer's
+    per-parameter temporaries) of each byte size: of the gradients of that size, the share
+    that are split tensors' (their parameters carry no module path)."""
+    gradient = timeline.category == _GRADIENT
+    # one gradient per parameter: the step's own (made in backward), else those alive
+    current = gradient & (timeline.alloc_key >= 0)
+    pool = current if current.any() else gradient
+    every = Counter(timeline.size[pool].tolist())
+    split = Counter(timeline.size[pool & split_gradients].tolist())
+    share = {size: split[size] / count for size, count in every.items() if split[size]}
+    factors = np.ones(len(timeline))
+    if not share:
+        return factors
+    state_like = np.isin(timeline.category, [_PARAMETER, _STATE]) | (
+        (timeline.phase == _OPTIMIZER) & (timeline.category == _TEMPORARY))
+    for size, fraction in share.items():
+        rows = state_like & (timeline.size == size)
+        factors[rows] = 1.0 - fraction * (1.0 - 1.0 / tp)
+    return factors
+
+
+def _gathered_inputs(timeline: Timeline, styles: dict[str, str]) -> dict:
+    """``sp``: each column-parallel Linear all-gathers its sequence-split input and saves
+    the whole gathered tensor for its weight gradient, from its forward until its backward
+    is done (PyTorch's ColwiseParallel gathers per Linear: q, k and v keep three).  Its
+    size: the Linear's input, the block's hidden states -- as big as the row-parallel
+    output of the same block."""
+    names = np.asarray(timeline.modules, object)
+    matmul = timeline.op_in(_MATMUL_OPS)
+    rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": []}
+    by_block: dict[str, tuple[float, bool]] = {}
+    for path, style in styles.items():
+        if style != "rowwise":
+            continue
+        code = np.flatnonzero(names == path)
+        mine = np.isin(timeline.module, code) & (timeline.phase == _FORWARD) & matmul
+        outputs = np.flatnonzero(mine)
+        if len(outputs):
+            by_block[path.rpartition(".")[0]] = (float(timeline.size[outputs[0]]),
+                                                 bool(timeline.scales_with_batch[outputs[0]]))
+    for path, style in styles.items():
+        block = path.rpartition(".")[0]
+        if style != "colwise" or block not in by_block:
+            continue
+        code = np.flatnonzero(names == path)
+        mine = np.isin(timeline.module, code)
+        forward = np.flatnonzero(mine & (timeline.phase == _FORWARD))
+        backward = np.flatnonzero(mine & (timeline.phase == _BACKWARD))
+        if not len(forward):
+            continue
+        size, scaled = by_block[block]
+        rows["size"].append(size)
+        rows["alloc_key"].append(float(timeline.alloc_key[forward].min()) - 0.5)
+        rows["free_key"].append(float(timeline.alloc_key[backward].max()) + 0.5
+                                if len(backward) else float(timeline.free_key[forward].max()))
+        rows["scales_with_batch"].append(scaled)
+    count = len(rows["size"])
+    return {"size": np.array(rows["size"]), "alloc_key": np.array(rows["alloc_key"]),
+            "free_key": np.array(rows["free_key"]),
+            "category": np.full(count, _ACTIVATION, np.int8),
+            "phase": np.full(count, _FORWARD, np.int8),
+            "scales_with_batch": np.array(rows["scales_with_batch"], bool)}
+
+
+def _kept_inputs(timeline: Timeline, kept: list[str]) -> dict:
+    """``sp``: a block left whole (fused-qkv attention) gets its input gathered to the whole
+    sequence, which its first Linear saves until its backward; as big as the block's
+    output (its last matmul in forward)."""
+    names = np.asarray(timeline.modules, object)
+    matmul = timeline.op_in(_MATMUL_OPS)
+    rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": []}
+    for path in kept:
+        codes = np.flatnonzero([_inside(m, [path]) for m in names])
+        mine = np.isin(timeline.module, codes)
+        forward = np.flatnonzero(mine & (timeline.phase == _FORWARD))
+        backward = np.flatnonzero(mine & (timeline.phase == _BACKWARD))
+        outputs = forward[matmul[forward]]
+        if not len(outputs):
+            continue
+        last = outputs[np.argmax(timeline.alloc_key[outputs])]
+        rows["size"].append(float(timeline.size[last]))
+        rows["alloc_key"].append(float(timeline.alloc_key[forward].min()) - 0.5)
+        rows["free_key"].append(float(timeline.alloc_key[backward].max()) + 0.5
+                                if len(backward) else float(timeline.free_key[forward].max()))
+        rows["scales_with_batch"].append(bool(timeline.scales_with_batch[last]))
+    count = len(rows["size"])
+    return {"size": np.array(rows["size"]), "alloc_key": np.array(rows["alloc_key"]),
+            "free_key": np.array(rows["free_key"]),
+            "category": np.full(count, _ACTIVATION, np.int8),
+            "phase": np.full(count, _FORWARD, np.int8),
+            "scales_with_batch": np.array(rows["scales_with_batch"], bool)}
+
+
+def communication_seconds(notes: dict, accum: int, link_bytes_s: float) -> float:
+    """Time of the tensor-parallel all-reduces per optimizer step (not overlapped: each
+    block waits for its output)."""
+    volume = notes.get("tensor_parallel", {}).get("communication_bytes_per_micro_step", 0.0)
+    return volume * accum / link_bytes_s if link_bytes_s > 0 else 0.0
