@@ -184,7 +184,7 @@ def _describe(session: Session, device_type: str, blocks: list[str],
         shown = ", ".join(paths[:3]) + (f", ... ({len(paths)})" if len(paths) > 3 else "")
         parts.append(f"checkpointing {shown}")
     if tp_layout is not None:
-        parts.append(tensor_parallel.describe(tp_layout))
+        parts.append(tensor_parallel.describe(tp_layout, plan.sp))
     if plan.uses_fsdp:
         parts.append(f"fully_shard on {len(blocks)} blocks + the root")
     parts.append(f"optimizer {type(session.optimizer).__name__}")

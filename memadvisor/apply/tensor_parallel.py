@@ -10,9 +10,12 @@ attention q, k, v           ``ColwiseParallel``: each rank computes its heads
 attention output            ``RowwiseParallel``: partial sums all-reduced
 MLP up (and gate)           ``ColwiseParallel``: each rank holds a slice of the hidden
 MLP down                    ``RowwiseParallel``
-with ``sp``                 norms ``SequenceParallel``; blocks take and give the
-                            residual stream split along the sequence (dimension 1),
-                            gathered before attention/MLP and reduce-scattered after
+with ``sp``                 norms inside the blocks ``SequenceParallel``; the residual
+                            stream holds this rank's part of the sequence (dimension
+                            1) from the first block's input (cut) to the last block's
+                            output (gathered); each column-parallel Linear all-gathers
+                            its input (``input_layouts=Shard(1)``), each row-parallel
+                            one reduce-scatters its output (``output_layouts=Shard(1)``)
 ==========================  =========================================================
 
 Attention code reshapes with its head count (``view(B, T, self.n_heads, head_dim)``); the
@@ -23,8 +26,8 @@ attention module whose head count cannot be found is refused.  A fused ``qkv`` L
 rows cannot be made to follow heads (ColwiseParallel would hand rank 0 all of q and half
 of k); the blocks' MLPs are split all the same.
 
-The embedding, the LM head and the norms (without ``sp``) stay replicated in this
-increment: every rank holds them whole and computes the same gradients for them, since
+The embedding, the LM head and the final norm stay replicated in this increment (and the
+blocks' norms without ``sp``): every rank holds them whole and computes the same gradients for them, since
 every rank of a tensor-parallel group sees the same batch.
 """
 from __future__ import annotations
@@ -147,41 +150,79 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, device_type: str) -> Lay
     returns what was split (None without tp)."""
     if plan.tp < 2:
         return None
-    if plan.sp:
-        raise PlanError("sp is not realised by apply yet: use tp without sp (simulate "
-                        "predicts sp)")
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module)
+        ColwiseParallel, RowwiseParallel, parallelize_module)
 
     layout = find_layout(model, plan.tp)
     tp_mesh = make_mesh(plan, device_type)["tp"]
     modules = dict(model.named_modules())
     for blocks in (layout.attention, layout.mlp):
         for path, roles in blocks.items():
-            styles = {}
-            for name in roles["up"]:
-                styles[name] = ColwiseParallel()
-            for name in roles["down"]:
-                styles[name] = (RowwiseParallel(output_layouts=Shard(1)) if plan.sp
-                                else RowwiseParallel())
-            if plan.sp:
-                # the block's input arrives split along the sequence: gather it first
-                styles[""] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                desired_input_layouts=(Replicate(),))
+            # with sp each column-parallel Linear gathers the sequence-split input itself
+            # (the block's forward may take more arguments than the hidden states, which
+            # a PrepareModuleInput on the block would have to name one by one)
+            up = ColwiseParallel(input_layouts=Shard(1)) if plan.sp else ColwiseParallel()
+            down = (RowwiseParallel(output_layouts=Shard(1)) if plan.sp
+                    else RowwiseParallel())
+            styles = {name: up for name in roles["up"]}
+            styles.update({name: down for name in roles["down"]})
             parallelize_module(modules[path], tp_mesh, styles)
     for path, counts in layout.heads.items():
         for name, count in counts.items():
             setattr(modules[path], name, count // plan.tp)
     if plan.sp:
-        _sequence_parallel(model, layout, tp_mesh, modules)
+        _sequence_parallel(layout, tp_mesh, modules)
     _check_split(model, layout, plan)
     return layout
 
 
-def _sequence_parallel(model, layout: Layout, tp_mesh, modules) -> None:
-    """``sp`` (not reached yet: refused above)."""
-    raise PlanError("sp is not realised by apply yet")
+def _sequence_parallel(layout: Layout, tp_mesh, modules: dict) -> None:
+    """``sp``: the residual stream inside the blocks holds this rank's part of the
+    sequence (dimension 1): the first block's input is cut, the last block's output
+    gathered; norms inside the blocks run ``SequenceParallel``; a block left replicated
+    (a fused-qkv attention) gets the whole sequence and gives back this rank's part."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    split = list(layout.attention) + list(layout.mlp)
+    stack = list(dict.fromkeys(path.rpartition(".")[0] for path in split))
+    if "" in stack:
+        raise PlanError("sp: the split attention/MLP blocks sit at the model's top level; sp "
+                        "needs them inside repeated blocks (a ModuleList of layers)")
+    for parent in stack:
+        for name, module in modules[parent].named_modules():
+            if type(module).__name__.endswith(NORM_SUFFIXES):
+                parallelize_module(module, tp_mesh, SequenceParallel())
+
+    def cut(tensor):
+        return DTensor.from_local(tensor, tp_mesh, [Replicate()], run_check=False).redistribute(
+            tp_mesh, [Shard(1)]).to_local()
+
+    def whole(tensor):
+        if isinstance(tensor, DTensor):
+            return tensor.full_tensor()
+        return DTensor.from_local(tensor, tp_mesh, [Shard(1)], run_check=False).full_tensor()
+
+    def on_first(function):
+        def hook(_module, args, kwargs):
+            if args and hasattr(args[0], "dim") and args[0].dim() >= 2:
+                args = (function(args[0]), *args[1:])
+            return args, kwargs
+        return hook
+
+    def on_output(function):
+        def hook(_module, _args, output):
+            if isinstance(output, tuple):
+                return (function(output[0]), *output[1:])
+            return function(output)
+        return hook
+
+    modules[stack[0]].register_forward_pre_hook(on_first(cut), with_kwargs=True)
+    modules[stack[-1]].register_forward_hook(on_output(whole))
+    for path in layout.kept:
+        modules[path].register_forward_pre_hook(on_first(whole), with_kwargs=True)
+        modules[path].register_forward_hook(on_output(cut))
 
 
 def _check_split(model: nn.Module, layout: Layout, plan: Plan) -> None:
@@ -192,11 +233,11 @@ def _check_split(model: nn.Module, layout: Layout, plan: Plan) -> None:
             raise PlanError(f"tp={plan.tp} did not take effect: {path}.weight is not sharded")
 
 
-def describe(layout: Layout | None) -> str:
+def describe(layout: Layout | None, sequence_parallel: bool = False) -> str:
     if layout is None:
         return ""
     text = (f"tensor parallel: {len(layout.attention)} attention + {len(layout.mlp)} MLP "
-            "blocks split")
+            "blocks split" + (", sequence parallel between them" if sequence_parallel else ""))
     if layout.kept:
         first = next(iter(layout.kept))
         text += (f"; {len(layout.kept)} attention kept replicated ({first or '<model>'}: "

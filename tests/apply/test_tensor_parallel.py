@@ -140,8 +140,9 @@ def _parts(plan: Plan) -> int:
 
 
 @pytest.mark.slow
-def test_tp2_on_two_ranks_trains_as_the_unmodified_run(tmp_path):
-    jobs = [(GPT, "tp=2,world=2", GPT_ARGS), (LLAMA, "tp=2,world=2", [])]
+def test_tp2_and_sp_on_two_ranks_train_as_the_unmodified_run(tmp_path):
+    jobs = [(GPT, "tp=2,world=2", GPT_ARGS), (LLAMA, "tp=2,world=2", []),
+            (GPT, "tp=2,world=2,sp", GPT_ARGS), (LLAMA, "tp=2,world=2,sp", [])]
     results = run_distributed(jobs, 2, tmp_path)
     for (script, plan, args), params in zip(jobs, results):
         original = run_original(script, args)
