@@ -143,7 +143,7 @@ def point_at(page, fraction: float) -> tuple[float, float]:
     x, y = box["x"] + box["width"] * fraction, box["y"] + box["height"] * 0.5
     page.mouse.move(x - 5, y)
     page.mouse.move(x, y, steps=3)
-    page.wait_for_selector("#timeline .hoverlayer .legend", timeout=10_000)
+    page.wait_for_selector("#timeline .hoverlayer .hovertext", timeout=10_000)
     return x, y
 
 

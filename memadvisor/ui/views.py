@@ -77,8 +77,12 @@ class Dashboard:
         step = ui_data.step_value(step_value)
         timeline = self.data.timeline(step)
         fig = figures.timeline_figure(timeline, budget_bytes=self._budget_or_none(budget_text))
-        # the step in the figure itself: a click names the step of the figure clicked
-        fig.update_layout(clickmode="event", height=420,
+        # the step in the figure itself: a click names the step of the figure clicked.
+        # One label per category at the hovered event, not the report's unified box: that
+        # box follows the pointer, so plotly redrew it at every move (8 ms a move at 1M
+        # events, the main thread a click's answer waits for); these move only when the
+        # event under the pointer changes
+        fig.update_layout(clickmode="event", height=420, hovermode="x",
                           meta={"step": ui_data.WHOLE_RUN if step is None else step})
         peak = timeline.peak or {}
         caption = (f"{timeline.events_in_step:,} events in the step, drawn as "

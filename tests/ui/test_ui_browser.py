@@ -106,7 +106,7 @@ def click_timeline(page) -> None:
     x, y = box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.5
     page.mouse.move(x - 5, y)
     page.mouse.move(x, y, steps=3)
-    page.wait_for_selector("#timeline .hoverlayer .legend", timeout=10_000)
+    page.wait_for_selector("#timeline .hoverlayer .hovertext", timeout=10_000)
     page.mouse.click(x, y)
     page.wait_for_function("() => document.querySelector('#moment-caption')"
                            ".innerText.startsWith('At the selected moment')", timeout=10_000)

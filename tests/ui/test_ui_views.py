@@ -80,6 +80,9 @@ def test_a_click_shows_the_storages_alive_at_that_event(board):
     # a click between two events far apart in time still reaches the nearest one
     plain, _ = board.timeline_view(step)
     assert plain.layout.hoverdistance == -1
+    # hovering picks the event by time alone (a click high above the curves stays at its
+    # time), one label per category
+    assert plain.layout.hovermode == "x"
 
 
 def test_a_click_updates_the_tables_only(board):
