@@ -1,13 +1,15 @@
 """Measure the in-place advice: apply it to a copy of a script, profile both, compare.
 
-    python benchmarks/inplace_advice.py SCRIPT [--steps 3] [--keep DIR]
+    python benchmarks/inplace_advice.py SCRIPT [--steps 3] [--keep DIR] [--refused -- ARGS]
 
 Profiles SCRIPT (``memadvisor profile``), reads the in-place advice from its trace
 (``memadvisor.advice.inplace``), edits each suggested source line of a copy of the script
 (``F.relu(h)`` -> ``F.relu(h, inplace=True)``, ``x = x + y`` -> ``x += y``, ...; a form it
 cannot edit is listed and the comparison covers the edits made only when all were made),
 profiles the copy, and prints the predicted and the measured drop of the analysed step's
-peak.  Exit 1 when a suggested line could not be edited or the copy's run failed.
+peak.  ``--refused`` also applies each refused change alone and runs the copy: an
+autograd refusal shows as a failed run saying "inplace operation".  Exit 1 when a
+suggested line could not be edited or the copy's run failed.
 """
 from __future__ import annotations
 
@@ -70,6 +72,35 @@ def profile(script: str, trace: str, steps: int) -> None:
                          f"{run.stderr.strip().splitlines()[-1:]}")
 
 
+def check_refused(script: str, folder: str, advice: list, script_args: list[str]) -> list:
+    """Each refused change this can edit, applied alone to a copy run with plain Python:
+    does the run fail (an autograd refusal says 'inplace operation')?  A change refused
+    because the script's own tensor would change (the batch, one held) may run: its harm
+    is to the values, not an error."""
+    with open(script, encoding="utf-8") as f:
+        lines = f.readlines()
+    outcomes = []
+    for item in advice:
+        path, _, number = item.location.rpartition(":")
+        if not number or os.path.realpath(path) != os.path.realpath(script):
+            continue
+        new = edit_line(lines[int(number) - 1], item.details["op"])
+        if new is None:
+            outcomes.append({"location": item.location, "edit": None, "outcome": "no edit known"})
+            continue
+        edited = lines[:int(number) - 1] + [new] + lines[int(number):]
+        copy = os.path.join(folder, "refused_" + os.path.basename(script))
+        with open(copy, "w", encoding="utf-8") as f:
+            f.writelines(edited)
+        run = subprocess.run([sys.executable, copy, *script_args], capture_output=True,
+                             text=True, timeout=600)
+        error = (run.stderr.strip().splitlines() or [""])[-1]
+        outcomes.append({"location": item.location, "edit": new.strip(), "reason": item.reason,
+                         "exit": run.returncode, "error": error[:200],
+                         "autograd_refused": "inplace operation" in run.stderr})
+    return outcomes
+
+
 def measured_peak(trace_path: str) -> int:
     from memadvisor.trace.io import read_trace
     from memadvisor.trace.summary import summarize
@@ -85,13 +116,18 @@ def inplace_advice(trace_path: str) -> list:
     return collect(trace, prepare(trace), hardware(None, "cpu"), providers=[provider])
 
 
-def measure(script: str, steps: int = 3, folder: str | None = None) -> dict:
-    """Profile ``script`` and an edited copy; the predicted and measured peak drops."""
-    from memadvisor.advice import SUGGESTED
+def measure(script: str, steps: int = 3, folder: str | None = None,
+            refused: bool = False, script_args: list[str] | None = None) -> dict:
+    """Profile ``script`` and an edited copy; the predicted and measured peak drops
+    (``refused``: also run each refused change alone, ``check_refused``)."""
+    from memadvisor.advice import REFUSED, SUGGESTED
     folder = folder or tempfile.mkdtemp(prefix="inplace_advice_")
     original = os.path.join(folder, "original.trace")
     profile(script, original, steps)
-    advice = [a for a in inplace_advice(original) if a.status == SUGGESTED]
+    everything = inplace_advice(original)
+    advice = [a for a in everything if a.status == SUGGESTED]
+    refusals = check_refused(script, folder, [a for a in everything if a.status == REFUSED],
+                             script_args or []) if refused else []
     edits = {}  # line number -> (op, new text)
     unedited = []
     with open(script, encoding="utf-8") as f:
@@ -128,7 +164,8 @@ def measure(script: str, steps: int = 3, folder: str | None = None) -> dict:
             "measured_drop_bytes": before - after, "peak_before_bytes": before,
             "peak_after_bytes": after,
             "advice": [{"title": a.title, "location": a.location, "bytes_saved": a.bytes_saved}
-                       for a in advice]}
+                       for a in advice],
+            "refused_checked": refusals}
 
 
 def main(argv=None) -> int:
@@ -136,13 +173,19 @@ def main(argv=None) -> int:
     parser.add_argument("script")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--keep", metavar="DIR", help="Keep the traces and the copy here.")
-    args = parser.parse_args(argv)
+    parser.add_argument("--refused", action="store_true",
+                        help="Also run each refused change alone (plain Python, the script's "
+                             "own arguments after --): does autograd refuse it?")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.script_args = script_args
     if not os.path.isfile(args.script):
         print(f"inplace_advice: {args.script}: no such script", file=sys.stderr)
         return 2
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
-    result = measure(args.script, args.steps, args.keep)
+    result = measure(args.script, args.steps, args.keep, args.refused, args.script_args)
     print(json.dumps(result, indent=2))
     return 1 if result["unedited"] else 0
 

@@ -1,7 +1,7 @@
 """The in-place advice measured (issue 14's Done-when): its suggested lines are edited in a
 copy of a script (benchmarks/inplace_advice.py), both are profiled, and the measured drop
-of the peak is the predicted one.  Also how ``advise`` shows the advice.  ~15 s: three
-profiles of a small script."""
+of the peak is the predicted one; a refused change applied makes autograd raise.  Also
+how ``advise`` shows the advice.  ~20 s: two profiles and a run of a small script, advise."""
 import importlib.util
 import json
 import os
@@ -27,7 +27,7 @@ def benchmark():
 def measured(tmp_path_factory):
     folder = tmp_path_factory.mktemp("inplace_measured")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return benchmark().measure(str(SCRIPT), steps=3, folder=str(folder)), folder
+    return benchmark().measure(str(SCRIPT), steps=3, folder=str(folder), refused=True), folder
 
 
 def test_the_measured_peak_drop_is_the_predicted_one(measured):
@@ -38,6 +38,15 @@ def test_the_measured_peak_drop_is_the_predicted_one(measured):
     assert result["predicted_drop_bytes"] > 512 * 1024
     assert result["measured_drop_bytes"] == pytest.approx(result["predicted_drop_bytes"],
                                                           rel=0.02)
+
+
+def test_the_refused_residual_makes_autograd_raise_when_applied(measured):
+    result, _ = measured
+    checked = {r["location"].rsplit(":", 1)[1]: r for r in result["refused_checked"]}
+    residual = checked["20"]  # out = out + self.fc2(out): fc2 saved out
+    assert residual["edit"] == "out += self.fc2(out)"
+    assert residual["exit"] != 0 and residual["autograd_refused"]
+    assert "saved it for backward" in residual["reason"]
 
 
 @pytest.mark.parametrize("line, op, edited", [
@@ -61,9 +70,9 @@ def test_advise_lists_the_advice_after_the_plans(measured, capsys):
     kinds = {(a["kind"], a["status"]) for a in data["advice"]}
     assert ("inplace", "suggested") in kinds and ("inplace", "refused") in kinds
     lines = {a["location"].rsplit(":", 1)[-1] for a in data["advice"] if a["location"]}
-    assert {"14", "15", "16"} <= lines  # the scale (refused: x is the batch), shift, relu
+    assert {"16", "17", "18", "20"} <= lines  # scale (x: the batch), shift, relu, residual
     main(["advise", trace, "--budget", "1GiB", "--verify", "0"])
     text = capsys.readouterr().out
     section = text.index("advice beyond plans")
     assert text.index("best:") < section  # after the plan table and the best plan
-    assert "inplace_chain.py:16" in text[section:]
+    assert "inplace_chain.py:18" in text[section:]
