@@ -49,6 +49,9 @@ class AdviceContext:
     trace: Trace
     base: Any  #: simulate.Baseline
     hardware: Any  #: simulate.Hardware
+    #: allocator settings the run already uses (``PYTORCH_CUDA_ALLOC_CONF`` text, e.g. from
+    #: ``advise --expandable-segments``); None: the ones the trace recorded
+    alloc_conf: str | None = None
 
     @property
     def step_start(self) -> int:
@@ -72,12 +75,12 @@ def _providers() -> list[Provider]:
 PROVIDERS: list[Provider] = _providers()
 
 
-def collect(trace: Trace, base, hardware, providers: list[Provider] | None = None
-            ) -> list[Advice]:
+def collect(trace: Trace, base, hardware, providers: list[Provider] | None = None,
+            alloc_conf: str | None = None) -> list[Advice]:
     """Every provider's advice for ``trace`` on ``hardware``: suggested first (most bytes
     saved, then most seconds), then refused, measured figures, what is missing; within a
     status, kinds in ``PROVIDERS``' order."""
-    context = AdviceContext(trace, base, hardware)
+    context = AdviceContext(trace, base, hardware, alloc_conf)
     found: list[Advice] = []
     for provider in PROVIDERS if providers is None else providers:
         found += provider(context)

@@ -8,6 +8,11 @@ with up to four ``max_split_size_mb`` values (powers of two below the largest re
 Reserved minus the allocated peak is the fragmentation; a setting is advised only where it lowers the reserved peak, with the
 ``PYTORCH_CUDA_ALLOC_CONF`` text to set.
 
+Settings the run already uses (``advise --expandable-segments``, or the
+``PYTORCH_CUDA_ALLOC_CONF`` the profiled run recorded) are not advised again; with
+expandable segments on, ``max_split_size_mb`` is not tried (it concerns split blocks of
+fixed segments).
+
 The allocator model never returns a segment (capacity unlimited here), so reserved only
 grows and the two pools add up: ``max_split_size_mb`` touches only the large pool
 (blocks over 1 MiB), which is replayed alone under it.  Its replay runs the Python loop
@@ -42,6 +47,7 @@ def allocator_settings_advice(context) -> list[Advice]:
     sizes, rows = _baseline_stream(context)
     if not len(sizes):
         return []
+    already = _settings_in_use(context)
     default = replay(sizes, rows)
     fragmentation = default.peak_reserved_bytes - default.peak_allocated_bytes
     if fragmentation < MIN_FRAGMENTATION_BYTES:
@@ -52,14 +58,15 @@ def allocator_settings_advice(context) -> list[Advice]:
             "fragmentation_bytes": int(fragmentation)}
     expandable = replay(sizes, rows, expandable_segments=True)
     saved = default.peak_reserved_bytes - expandable.peak_reserved_bytes
-    if saved >= MIN_SAVING_BYTES:
+    if saved >= MIN_SAVING_BYTES and not already.expandable_segments:
         found.append(_advice("expandable_segments:True", saved,
                              expandable.peak_reserved_bytes, base,
                              "one growing segment per pool, mapped in pages: no block is "
                              "stranded in a segment too small for the next request"))
     rounded = np.maximum((np.abs(sizes).round().astype(np.int64) + 511) & -512, 512)
     large = rounded > SMALL_SIZE
-    candidates = _split_candidates(rounded[large & (sizes > 0)])
+    candidates = [] if already.max_split_size_bytes or already.expandable_segments else \
+        _split_candidates(rounded[large & (sizes > 0)])
     if candidates and int(large.sum()) > MAX_SPLIT_EVENTS:
         found.append(Advice(
             kind=KIND, status=MISSING, title="max_split_size_mb not tried",
@@ -85,6 +92,25 @@ def allocator_settings_advice(context) -> list[Advice]:
                                  "large requests stop carving up each other's segments "
                                  f"(tried {', '.join(map(str, candidates))} MiB)"))
     return found
+
+
+def _settings_in_use(context):
+    """The allocator settings the run already has (``advise --expandable-segments``, or
+    the ``PYTORCH_CUDA_ALLOC_CONF`` the profiled run recorded): not advised again.  Text
+    the model cannot read counts as none."""
+    from ..errors import UserError
+    from ..simulate.allocator_config import (AllocatorConfig, config_from_snapshot,
+                                             parse_alloc_conf)
+    text = context.alloc_conf
+    recorded = (context.trace.meta.allocator or {}).get("settings")
+    try:
+        if text is not None:
+            return parse_alloc_conf(text)
+        if isinstance(recorded, dict):
+            return config_from_snapshot(recorded, strict=False)
+        return parse_alloc_conf(recorded if isinstance(recorded, str) else "")
+    except UserError:
+        return AllocatorConfig()
 
 
 def _baseline_stream(context) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..trace import schema
 from ..units import format_bytes
-from . import REFUSED, SUGGESTED, Advice
+from . import MISSING, REFUSED, SUGGESTED, Advice
 
 KIND = "inplace"
 
@@ -84,8 +84,11 @@ REASONS = {
 def inplace_advice(context) -> list[Advice]:
     timeline = context.base.timeline
     reads = timeline.reads
-    if reads is None or not len(reads.rows):
-        return []  # a trace of format < 3 (no data flow): nothing to say which op read what
+    if reads is None or not len(reads.rows):  # a trace of format < 3: no data flow
+        return [Advice(kind=KIND, status=MISSING, title="in-place ops not examined",
+                       reason="the trace records no data flow (the input_ids column, trace "
+                              "format 3): which op read which storage is unknown; profile "
+                              "again with this memadvisor")]
     pairs = _pairs(timeline)
     if not len(pairs["output"]):
         return []

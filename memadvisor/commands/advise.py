@@ -62,7 +62,9 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     trace = read_trace(trace_path)
     base = baseline_as_applied(trace)  # the loop as apply rewrites it
     hw = target_hardware(gpu, trace.meta.device, expandable_segments)
-    advice = collect_advice(trace, base, hw)  # the last reader of the events
+    # the last reader of the events; --expandable-segments: a setting already in use
+    advice = collect_advice(trace, base, hw, alloc_conf="expandable_segments:True"
+                            if expandable_segments else None)
     release_events(trace)  # only the metadata is read from here on
     script, choice = _script_and_choice(trace, trace_path, verify_count, hw.device_type)
     verify_count = choice.count

@@ -80,3 +80,15 @@ def test_max_split_size_is_advised_where_it_saves(tmp_path):
     assert split.bytes_saved == 40 * MiB
     megabytes = int(split.title.rsplit(":", 1)[1])
     assert 20 < megabytes < 100
+
+
+def test_a_setting_already_in_use_is_not_advised_again(tmp_path):
+    trace, base = load(fragmenting_trace(tmp_path / "frag.trace"))
+    items = collect(trace, base, hardware("h100-80gb"), providers=[allocator_settings_advice],
+                    alloc_conf="expandable_segments:True")
+    assert not [a for a in items if "expandable_segments" in a.title]
+    # recorded by the profiled run
+    trace.meta.allocator = {"settings": "expandable_segments:True"}
+    assert not [a for a in collect(trace, base, hardware("h100-80gb"),
+                                   providers=[allocator_settings_advice])
+                if "expandable_segments" in a.title]

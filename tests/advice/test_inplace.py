@@ -5,7 +5,7 @@ output's free)."""
 import numpy as np
 import pytest
 
-from memadvisor.advice import REFUSED, SUGGESTED, collect
+from memadvisor.advice import MISSING, REFUSED, SUGGESTED, collect
 from memadvisor.advice.inplace import inplace_advice
 from memadvisor.simulate import hardware
 from memadvisor.trace.analysis import live_bytes
@@ -100,10 +100,11 @@ def test_ops_without_an_in_place_form_are_not_mentioned(advice):
     assert not by_line(items, 10) and not by_line(items, 15)
 
 
-def test_a_trace_without_data_flow_gives_no_in_place_advice(tmp_path):
+def test_a_trace_without_data_flow_says_in_place_ops_were_not_examined(tmp_path):
     events = [r[:6] + ([],) + r[7:] for r in EVENTS]
     trace, base = load(write_events(tmp_path / "old.trace", events))
-    assert collect(trace, base, hardware(None, "cpu"), providers=[inplace_advice]) == []
+    missing, = collect(trace, base, hardware(None, "cpu"), providers=[inplace_advice])
+    assert missing.status == MISSING and "data flow" in missing.reason
 
 
 def test_two_changes_needed_together_are_counted_together(tmp_path):
