@@ -69,18 +69,23 @@ def main(argv=None) -> int:
               f"{sum(advice.graph_breaks.values())} | {row['predict_s']:.1f} | "
               f"{row['inductor_s']:.1f} |")
     print()
-    print("step peak (bytes): the eager trace's analysed step, the prediction from it, and the "
-          "last of 3 steps measured by the native CPU allocator hook:")
-    print("| example | eager trace peak | activation at peak | predicted compiled peak | "
-          "measured eager peak | measured compiled peak | error |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        advice = row["advice"]
-        measured = row["compiled"]["step_peak_bytes"][-1]
-        print(f"| {row['name']} | {advice.eager_peak_bytes:,} | "
-              f"{advice.activation_at_peak_bytes:,} | {advice.predicted_peak_bytes:,} | "
-              f"{row['eager']['step_peak_bytes'][-1]:,} | {measured:,} | "
-              f"{error(advice.predicted_peak_bytes, measured)} |")
+    print("CPU bytes (above the script's start) of the analysed step: the eager trace's, the "
+          "prediction from it, and the last of 3 steps measured by the native CPU allocator "
+          "hook, eager and compiled; first as backward starts, then the step's peak:")
+    print("| example | eager trace | predicted compiled | measured eager | measured compiled | "
+          "error |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, eager_key, predicted_key, measured_key in (
+            ("backward start", "eager_backward_start_bytes", "predicted_backward_start_bytes",
+             "backward_start_bytes"),
+            ("step peak", "eager_peak_bytes", "predicted_peak_bytes", "step_peak_bytes")):
+        for row in rows:
+            peak = row["advice"].peak
+            measured = row["compiled"][measured_key][-1]
+            predicted = getattr(peak, predicted_key)
+            print(f"| {row['name']} {label} | {getattr(peak, eager_key):,} | {predicted:,} | "
+                  f"{row['eager'][measured_key][-1]:,} | {measured:,} | "
+                  f"{error(predicted, measured)} |")
     return 0
 
 

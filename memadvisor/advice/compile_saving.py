@@ -58,17 +58,26 @@ class GraphSaving:
 class CompileSaving:
     eager_saved_bytes: int  #: what eager autograd holds at the end of forward
     compiled_saved_bytes: int  #: what it would hold with the model compiled
+    #: of each, the model's own outputs (the logits a loss needs): alive in either run
+    eager_saved_output_bytes: int
+    compiled_saved_output_bytes: int
     graphs: list[GraphSaving]
     graph_breaks: dict[str, int]  #: reason -> times dynamo broke the graph there
-    eager_peak_bytes: int  #: the trace's analysed step's peak
-    activation_at_peak_bytes: int  #: the trace's activation bytes alive at that peak
-    predicted_peak_bytes: int
+    peak: "PeakPrediction"  #: the eager trace's analysed step and what compiling makes it
     method: str  #: 'fake' or 'real': the tensors the prediction ran on
     seconds: float
 
     @property
     def saved_reduction_bytes(self) -> int:
         return self.eager_saved_bytes - self.compiled_saved_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.peak.predicted_peak_bytes
+
+    @property
+    def eager_peak_bytes(self) -> int:
+        return self.peak.eager_peak_bytes
 
 
 def compile_saving(trace_path: str | os.PathLike, *, method: str = "fake") -> CompileSaving:
@@ -85,19 +94,33 @@ def compile_saving(trace_path: str | os.PathLike, *, method: str = "fake") -> Co
                         f"{trace.meta.device})")
     found = run_script_compiled(trace.meta, trace_path, mode="predict", method=method)
     eager, compiled = found["eager_saved_bytes"], found["compiled_saved_bytes"]
-    peak, at_peak, predicted = predicted_peak(trace, eager, compiled)
+    eager_outputs = found["eager_saved_output_bytes"]
+    compiled_outputs = found["compiled_saved_output_bytes"]
+    # the model's outputs are alive in the eager trace whether saved (activation) or not
+    # (temporary): only the compiled run's other saved bytes replace eager's activations
+    peak = predicted_peak(trace, eager, compiled - compiled_outputs + eager_outputs)
     return CompileSaving(
         eager_saved_bytes=eager, compiled_saved_bytes=compiled,
+        eager_saved_output_bytes=eager_outputs, compiled_saved_output_bytes=compiled_outputs,
         graphs=[GraphSaving(**g) for g in found["graphs"]],
-        graph_breaks=found["graph_breaks"], eager_peak_bytes=peak,
-        activation_at_peak_bytes=at_peak, predicted_peak_bytes=predicted, method=method,
+        graph_breaks=found["graph_breaks"], peak=peak, method=method,
         seconds=time.monotonic() - started)
 
 
-def predicted_peak(trace, eager_saved_bytes: int, compiled_saved_bytes: int
-                   ) -> tuple[int, int, int]:
-    """(eager peak, activation bytes alive at it, the compiled peak) of the analysed step:
-    each event's activation bytes scaled by compiled/eager saved bytes."""
+@dataclass(kw_only=True, slots=True)
+class PeakPrediction:
+    eager_peak_bytes: int  #: the analysed step's peak
+    activation_at_peak_bytes: int  #: activation bytes alive at it
+    predicted_peak_bytes: int
+    eager_backward_start_bytes: int  #: live bytes as the step's backward starts
+    predicted_backward_start_bytes: int
+
+
+def predicted_peak(trace, eager_saved_bytes: int, compiled_saved_bytes: int) -> PeakPrediction:
+    """The analysed step with each event's activation bytes scaled by
+    ``compiled_saved_bytes / eager_saved_bytes`` (the compiled figure without the model
+    outputs eager does not save): its peak, and its live bytes as backward starts (every
+    saved tensor alive: there the substitution is exact)."""
     import numpy as np
     from ..trace.analysis import analysed_step, category_series, live_bytes, peak_in, \
         step_slice
@@ -110,7 +133,14 @@ def predicted_peak(trace, eager_saved_bytes: int, compiled_saved_bytes: int
         raise UserError(f"{trace.path}: the trace has no events in its analysed step")
     ratio = compiled_saved_bytes / eager_saved_bytes if eager_saved_bytes else 1.0
     scaled = live[window] - activation[window] * (1.0 - ratio)
-    return peak, int(activation[position]), int(np.rint(scaled.max()))
+    backward = np.flatnonzero((events["phase"].to_numpy()[window] == "backward"))
+    before = window.start + int(backward[0]) - 1 if len(backward) else position
+    return PeakPrediction(
+        eager_peak_bytes=peak, activation_at_peak_bytes=int(activation[position]),
+        predicted_peak_bytes=int(np.rint(scaled.max())),
+        eager_backward_start_bytes=int(live[before]),
+        predicted_backward_start_bytes=int(np.rint(live[before] - activation[before]
+                                                   * (1.0 - ratio))))
 
 
 def measure_compiled_run(trace_path: str | os.PathLike, *, backend: str = "inductor",
@@ -208,10 +238,10 @@ def _storage_key(tensor) -> int:
     return tensor.untyped_storage()._cdata  # the StorageImpl: shared by views, fake or real
 
 
-def saved_tensor_bytes(roots, excluded: set[int]) -> int:
-    """Bytes of the distinct storages every autograd node reachable from ``roots`` holds
-    for backward (C++ nodes' ``_saved_*``, Python ones' ``saved_tensors`` and AOTAutograd's
-    ``_tensors_no_vc_check``), leaving out the storages in ``excluded``."""
+def saved_storages(roots, excluded: set[int]) -> dict[int, int]:
+    """Storage key -> bytes of the distinct storages every autograd node reachable from
+    ``roots`` holds for backward (C++ nodes' ``_saved_*``, Python ones' ``saved_tensors``
+    and AOTAutograd's ``_tensors_no_vc_check``), leaving out the storages in ``excluded``."""
     import torch
     stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
     seen, held = set(), {}
@@ -235,7 +265,12 @@ def saved_tensor_bytes(roots, excluded: set[int]) -> int:
             if isinstance(tensor, torch.Tensor) and _storage_key(tensor) not in excluded:
                 held[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
         stack += [following for following, _ in node.next_functions]
-    return sum(held.values())
+    return held
+
+
+def saved_tensor_bytes(roots, excluded: set[int]) -> int:
+    """Bytes of :func:`saved_storages`."""
+    return sum(saved_storages(roots, excluded).values())
 
 
 def _graph_saving(gm) -> dict:
@@ -293,11 +328,15 @@ class _Child:
         self.graphs: list[dict] = []
         self.saved: list[int] = []
         self.excluded: set[int] = set()  # the models' parameters and buffers
-        # this step's model inputs, kept alive so that no other storage takes their keys
+        # this step's model inputs and outputs, kept alive so that no other storage takes
+        # their keys
         self.inputs: list = []
+        self.outputs: list = []
+        self.saved_outputs: list[int] = []  # of each backward's saved bytes, model outputs'
         self.compiling = spec["mode"] != "predict"  # predict: the first forward eager
         self.hook = self.start_bytes = None
         self.step_peaks: list[int] = []
+        self.backward_start_bytes: list[int] = []  # live CPU bytes as each backward starts
 
     def backend(self):
         if self.spec["mode"] == "inductor":
@@ -331,15 +370,23 @@ class _Child:
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor):
                     self.inputs.append(leaf)
-            return (compiled if self.compiling else eager)(*args, **kwargs)
+            result = (compiled if self.compiling else eager)(*args, **kwargs)
+            self.outputs += [leaf for leaf in tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+            return result
         model._compiled_call_impl = call  # what nn.Module.compile() sets
 
     def before_backward(self, roots) -> None:
         import torch
         roots = [roots] if isinstance(roots, torch.Tensor) else list(roots or ())
+        if self.hook is not None:
+            self.backward_start_bytes.append(self.hook.live_bytes - self.start_bytes)
         inputs = {_storage_key(tensor) for tensor in self.inputs}
-        self.saved.append(saved_tensor_bytes(roots, self.excluded | inputs))
+        held = saved_storages(roots, self.excluded | inputs)
+        self.saved.append(sum(held.values()))
+        outputs = {_storage_key(tensor) for tensor in self.outputs}
+        self.saved_outputs.append(sum(held.get(key, 0) for key in outputs))
         self.inputs.clear()
+        self.outputs.clear()
         if self.spec["mode"] == "predict":
             if self.compiling:
                 raise _Stop()
@@ -405,8 +452,11 @@ class _Child:
         # what the partitioned graphs held, and the copies inductor's lowering adds
         compiled = self.saved[-1] + sum(g["layout_copy_bytes"] for g in self.graphs)
         return {"eager_saved_bytes": self.saved[0], "compiled_saved_bytes": compiled,
+                "eager_saved_output_bytes": self.saved_outputs[0],
+                "compiled_saved_output_bytes": self.saved_outputs[-1],
                 "saved_bytes": self.saved, "graphs": self.graphs, "graph_breaks": breaks,
-                "step_peak_bytes": self.step_peaks}
+                "step_peak_bytes": self.step_peaks,
+                "backward_start_bytes": self.backward_start_bytes}
 
 
 def _fake_context():
