@@ -134,6 +134,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
     shard_group = sharding.optimizer_shard_group(plan) if plan.shard == "zero1" else None
     new_optimizer = optimizers.build_optimizer(optimizer, plan, new_params, names_by_id,
                                                shard_group)
+    if plan.tp > 1:
+        tensor_parallel.without_foreach(new_optimizer)
     scaler = (_sessions[0].scaler if _sessions
               else precision.make_grad_scaler(plan, device_type))
     _session = Session(plan, module, wrapped, new_optimizer, ranks, parameter_names, scaler,

@@ -268,3 +268,13 @@ def clip_mixed_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     for grad in grads:
         grad.mul_(coefficient)
     return total
+
+
+def without_foreach(optimizer) -> None:
+    """Step the optimizer tensor by tensor: on CUDA torch.optim picks its ``foreach``
+    kernels, which refuse a list mixing DTensor shards with plain tensors (the replicated
+    embedding) or DTensors of two meshes (FSDP's 1-D and 2-D) -- ``aten._foreach_mul_
+    got mixed torch.Tensor and DTensor``.  Only a default (``None``) is changed."""
+    for group in getattr(optimizer, "param_groups", []):
+        if "foreach" in group and group["foreach"] is None:
+            group["foreach"] = False

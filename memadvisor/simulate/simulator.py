@@ -386,7 +386,8 @@ def _device_optimizer_rules(timeline: Timeline, base: Baseline, hw: Hardware,
     if plan.optimizer != "keep" or not any(
             "adam" in str(o.get("class", "")).lower() for o in base.meta.optimizers):
         return timeline
-    if not target["optimizer_foreach"] or "optimizer" in plan.offload:
+    if not target["optimizer_foreach"] or "optimizer" in plan.offload or plan.tp > 1:
+        # tp: apply steps tensor by tensor (apply/tensor_parallel.without_foreach)
         return timeline
     optimizer = PHASE_CODE[schema.OPTIMIZER]
     temps = (timeline.phase == optimizer) & timeline.category_mask(schema.TEMPORARY)
