@@ -447,8 +447,11 @@ class _Child:
         if len(self.saved) < expected:
             return {"error": f"the script ran {len(self.saved)} backward(s) with the model "
                              f"compiled, {expected} needed"}
-        breaks = {" ".join(str(reason).split())[:200]: int(count)
-                  for reason, count in counters["graph_break"].items()}
+        breaks: dict[str, int] = {}
+        for reason, count in counters["graph_break"].items():
+            # dynamo's reason, without the explanation and hints it appends
+            text = " ".join(str(reason).split()).split(" Explanation:")[0][:200]
+            breaks[text] = breaks.get(text, 0) + int(count)
         # what the partitioned graphs held, and the copies inductor's lowering adds
         compiled = self.saved[-1] + sum(g["layout_copy_bytes"] for g in self.graphs)
         return {"eager_saved_bytes": self.saved[0], "compiled_saved_bytes": compiled,
