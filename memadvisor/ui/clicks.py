@@ -43,7 +43,8 @@ MOMENT_ROUTE = "/_memadvisor/moment"
 #: click, and only while the chart still shows the step clicked.
 #: ``answers``: the last ``KEPT_ANSWERS`` answers (promises) by point; ``prefetch`` (default on):
 #: the point under the pointer is asked for while it rests there, one request at a time
-#: (the newest point waits its turn, those passed over are dropped).
+#: (the newest point waits its turn, those passed over are dropped), and at once when the
+#: button goes down on it.
 INSTALL_CLICKS = """function(figure) {
     const clicks = window.memadvisorClicks = window.memadvisorClicks ||
         {ticket: 0, answers: new Map(), prefetch: true, busy: false, next: null};
@@ -94,6 +95,13 @@ INSTALL_CLICKS = """function(figure) {
                 if (next) clicks.onHover(next);
             });
         };
+        // a press on the chart: the point under the pointer is asked for now, not after
+        // the passed-over point still being asked for, nor at the release
+        clicks.onPress = function() {
+            const gd = document.querySelector('#timeline .js-plotly-plot');
+            const p = clicks.prefetch && gd && pointOf({points: gd._hoverdata});
+            if (p && !clicks.answers.has(p.key)) ask(p);
+        };
         clicks.onClick = function(event) {
             const p = pointOf(event);
             if (!p) return;
@@ -126,6 +134,7 @@ INSTALL_CLICKS = """function(figure) {
         const on = gd._ev.prependListener ? gd._ev.prependListener.bind(gd._ev) : gd.on;
         on('plotly_click', clicks.onClick);
         on('plotly_hover', clicks.onHover);
+        gd.addEventListener('mousedown', clicks.onPress, true);  // once: the same function
     };
     install();
     return window.dash_clientside.no_update;

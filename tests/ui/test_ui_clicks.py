@@ -99,7 +99,7 @@ def test_the_page_listens_for_clicks_and_hovers(board):
     assert installs[0]["inputs"] == [{"id": "timeline", "property": "figure"}]
     script = clicks.INSTALL_CLICKS
     assert repr(clicks.MOMENT_ROUTE) in script and "ROUTE" not in script and "KEEP" not in script
-    assert "'plotly_click'" in script and "'plotly_hover'" in script
+    assert "'plotly_click'" in script and "'plotly_hover'" in script and "'mousedown'" in script
 
 
 def test_a_click_holds_off_the_plans_made_ahead(board, client, monkeypatch):
