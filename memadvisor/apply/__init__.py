@@ -12,11 +12,23 @@ A rewritten script calls this package at a few points, in the style of accelerat
 ``memadvisor.apply.rewrite`` makes those edits, ``memadvisor.apply.launch`` runs the result
 in one process or under torchrun.  See docs/APPLY.md.
 """
-from .runtime import (  # noqa: F401
-    backward, clip_grad_norm_, clip_grad_value_, current_session, finish, micro_batches,
-    prepare, step, unscale_, unwrap,
-)
-from .sharding import select_local_device as _select_local_device
+import os as _os
 
-# "cuda" must mean this rank's GPU before the script moves its model there
-_select_local_device()
+#: what a rewritten script calls (``runtime``, which imports torch), loaded on first use:
+#: ``advise`` and ``simulate`` import this package to rewrite scripts, not to run them
+_RUN_TIME = frozenset({
+    "backward", "clip_grad_norm_", "clip_grad_value_", "current_session", "finish",
+    "micro_batches", "prepare", "step", "unscale_", "unwrap"})
+
+if "LOCAL_RANK" in _os.environ:
+    # under torchrun "cuda" must mean this rank's GPU before the script moves its model
+    # there, i.e. as the rewritten script imports this package
+    from .sharding import select_local_device as _select_local_device
+    _select_local_device()
+
+
+def __getattr__(name: str):
+    if name in _RUN_TIME:
+        from . import runtime
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,6 +35,22 @@ from .find_calls import TrainingCalls
 from .find_region import RegionSearch
 from .syntax import MARKER, NotFound, dotted  # noqa: F401  (dotted: used by rewrite)
 
+#: (module, its positions) by id: ``advise`` finds the training loop in one script (one
+#: immutable tree, ``rewrite._parsed``) once per plan it checks, and resolving positions
+#: was most of each search
+_POSITIONS: dict[int, tuple] = {}
+
+
+def _positions_of(module: cst.Module):
+    hit = _POSITIONS.get(id(module))
+    if hit is not None and hit[0] is module:
+        return hit[1]
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    if len(_POSITIONS) >= 8:
+        _POSITIONS.pop(next(iter(_POSITIONS)))
+    _POSITIONS[id(module)] = (module, positions)
+    return positions
+
 
 @dataclass
 class Pair:
@@ -130,8 +146,7 @@ class ScriptFinder(TrainingCalls, RegionSearch):
     # --- helpers ----------------------------------------------------------------------
     def line(self, node) -> int:
         if self._positions is None:
-            wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
-            self._positions = wrapper.resolve(PositionProvider)
+            self._positions = _positions_of(self.module)
         return self._positions[node].start.line
 
     def nodes(self, kinds) -> list:

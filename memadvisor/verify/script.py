@@ -103,7 +103,7 @@ def apply_refusals(script: RecordedScript, plans, device_type: str | None = None
     plans it refuses (the rewrite only: nothing runs).  ``device_type='cpu'``: also the
     plans the rewritten script would stop at its start on a machine without a GPU (a
     framework's FSDP)."""
-    from ..apply.frameworks.probe import cpu_target_refusal
+    from ..apply.frameworks.expectations import cpu_target_refusal
     refused = {}
     for plan in plans:
         code, why = rewritten(script, plan)

@@ -74,8 +74,16 @@ def _free_alias(script: Script) -> str:
     raise RewriteError("the script uses every name memadvisor would import its runtime as")
 
 
-# what a rewritten script calls
-from .probe import (  # noqa: E402,F401
-    checkpointed, expect_plan, finish, lightning_checkpointing, nodes, optimizer_steps, ranks_per_node,
-    repeated_blocks_policy, split_batch, without_cuda,
-)
+# what a rewritten script calls (``probe``, which imports torch): loaded on first use, so
+# that rewriting a script (``advise``, ``simulate`` for every plan they check) needs no torch
+_RUN_TIME = frozenset({
+    "checkpointed", "expect_plan", "finish", "lightning_checkpointing", "nodes",
+    "optimizer_steps", "ranks_per_node", "repeated_blocks_policy", "split_batch",
+    "without_cuda"})
+
+
+def __getattr__(name: str):
+    if name in _RUN_TIME:
+        from . import probe
+        return getattr(probe, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,11 +11,9 @@ optimizer's class.  A knob that did not take effect stops the run there, naming 
 """
 from __future__ import annotations
 
-import ast
 import importlib.util
 import math
 import os
-import re
 import sys
 
 import torch
@@ -27,16 +25,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...errors import UserError
 from ...plan import Environment, Plan, PlanError, environment_problems
+from .expectations import (  # noqa: F401  (cpu_target_refusal: the old home)
+    FSDP_ON_CPU, LABELS, _expected_plan, _fsdp_needs_cuda, cpu_target_refusal,
+)
 
-LABELS = {"hf-trainer": "the HF Trainer", "lightning": "Lightning", "accelerate": "accelerate"}
-#: why each framework cannot shard with FSDP on a CPU-only machine (measured with torch
-#: 2.13, transformers 5.23, lightning 2.6, accelerate 1.15 under torchrun + gloo)
-FSDP_ON_CPU = {
-    "hf-trainer": "with use_cpu=True it trains plain DDP, without it TrainingArguments stops "
-                  "('Using fsdp only works in distributed training')",
-    "lightning": "FSDPStrategy requires a CUDA accelerator",
-    "accelerate": "with cpu=True it trains plain DDP, without it nothing is distributed",
-}
 _probe: "Probe | None" = None
 
 
@@ -205,33 +197,6 @@ def machine_problems(plan: Plan, framework: str) -> list[str]:
     if plan.uses_fsdp and device_type != "cuda":
         problems.insert(0, _fsdp_needs_cuda(plan, framework))
     return problems
-
-
-def _fsdp_needs_cuda(plan: Plan, framework: str) -> str:
-    return (f"shard={plan.shard} under {LABELS[framework]} needs CUDA GPUs and this machine "
-            f"has none: {FSDP_ON_CPU[framework]}; use shard=ddp here")
-
-
-def cpu_target_refusal(code: str) -> str | None:
-    """For a framework script rewritten for a plan (``code``), why the plan cannot run on a
-    CPU-only machine (the framework shards with FSDP only on CUDA), or None: what the
-    rewritten script's ``expect_plan`` would stop with there, known before running it."""
-    expected = _expected_plan(code)
-    if expected is None or not expected[0].uses_fsdp:
-        return None
-    return _fsdp_needs_cuda(*expected)
-
-
-_EXPECT = re.compile(r"\.expect_plan\((\"[^\"]*\"), framework=(\"[^\"]*\")\)")
-
-
-def _expected_plan(text: str) -> tuple[Plan, str] | None:
-    """The (plan, framework) a rewritten framework script's ``expect_plan`` call names."""
-    match = _EXPECT.search(text)
-    if match is None:
-        return None
-    plan, framework = (ast.literal_eval(group) for group in match.groups())
-    return (Plan.parse_spec(plan), framework) if framework in LABELS else None
 
 
 def refuse_before_launch(script) -> None:
