@@ -1,6 +1,7 @@
 """The compile advice against real ``torch.compile`` runs of the bundled examples.
 
-    OMP_NUM_THREADS=1 python benchmarks/compile_advice.py [--method fake|real] [NAME ...]
+    OMP_NUM_THREADS=1 python benchmarks/compile_advice.py [--method fake|real] [--larger]
+        [NAME ...]
 
 Per example: ``memadvisor profile`` (real CPU, 3 steps) writes the eager trace; the advice
 (``memadvisor.advice.compile_saving``) predicts the compiled saved bytes and step peak
@@ -23,17 +24,26 @@ sys.path.insert(0, str(ROOT))
 from memadvisor.advice.compile_saving import compile_saving, measure_compiled_run  # noqa: E402
 
 EXAMPLES = ["mlp_regressor", "cnn_classifier", "gpt_lm", "vit_classifier"]
+#: --larger: each example a few times its default size (gpt_lm with dropout)
+LARGER_ARGS = {
+    "mlp_regressor": ["--hidden", "1024", "--depth", "4", "--batch-size", "256"],
+    "cnn_classifier": ["--channels", "32", "--image-size", "64", "--batch-size", "32"],
+    "gpt_lm": ["--n-layer", "4", "--d-model", "256", "--n-head", "8", "--seq-len", "128",
+               "--batch-size", "8", "--dropout", "0.1"],
+    "vit_classifier": ["--image-size", "64", "--patch", "8", "--d-model", "192", "--depth",
+                       "4", "--heads", "6", "--batch-size", "16"],
+}
 
 
 def error(predicted: int, measured: int) -> str:
     return f"{100.0 * (predicted - measured) / measured:+.2f}%" if measured else "n/a"
 
 
-def run(name: str, folder: Path, method: str) -> dict:
+def run(name: str, folder: Path, method: str, script_args: list[str]) -> dict:
     trace = folder / f"{name}.trace"
     subprocess.run([sys.executable, "-m", "memadvisor.cli", "profile",
                     str(ROOT / "examples" / f"{name}.py"), "-o", str(trace), "--steps", "3",
-                    "-q"], check=True, cwd=str(ROOT), capture_output=True)
+                    "-q", "--", *script_args], check=True, cwd=str(ROOT), capture_output=True)
     started = time.monotonic()
     advice = compile_saving(trace, method=method)
     predict_s = time.monotonic() - started
@@ -49,11 +59,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=EXAMPLES)
     parser.add_argument("--method", choices=["fake", "real"], default="fake")
+    parser.add_argument("--larger", action="store_true",
+                        help="each example at a few times its default size (LARGER_ARGS)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(EXAMPLES))
+    if unknown:
+        parser.error(f"not a bundled example: {unknown[0]} (one of {', '.join(EXAMPLES)})")
     rows = []
     with tempfile.TemporaryDirectory(prefix="compile-advice-") as folder:
         for name in args.names:
-            rows.append(run(name, Path(folder), args.method))
+            rows.append(run(name, Path(folder), args.method,
+                            LARGER_ARGS[name] if args.larger else []))
             print(f"{name}: done", file=sys.stderr, flush=True)
     print(f"saved activations (bytes), prediction on {args.method} tensors against inductor "
           "on this CPU:")

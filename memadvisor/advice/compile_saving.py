@@ -19,8 +19,9 @@ decided at compile time, so it is predicted by compiling without generating code
 
 The peak it would give: the eager trace's analysed step with its activation bytes scaled
 by compiled/eager saved bytes at every event, ``max(live - activation * (1 - ratio))``: the
-forward builds, and backward frees, the compiled saved set in proportion to the eager one.
-What inductor's fused kernels spare in temporaries is not counted (they only lower it).
+forward builds, and backward frees, the compiled saved set in proportion to the eager one
+(exact as backward starts, every saved tensor alive).  What inductor's kernels make in
+temporaries instead of eager's is not predicted (docs/COMPILE_ADVICE.md: -2.1% to +0.2%).
 
 ``measure_compiled_run`` is the ground truth: the script with its model compiled by
 inductor for real (CPU, C++), its saved tensors summed the same way and its step peaks from
@@ -28,6 +29,7 @@ the native CPU allocator hook (``profile.native``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -54,6 +56,15 @@ class GraphSaving:
     largest: list[str] = field(default_factory=list)  #: 'name shape dtype bytes', top 3
 
 
+@dataclass(kw_only=True, slots=True)
+class PeakPrediction:
+    eager_peak_bytes: int  #: the analysed step's peak
+    activation_at_peak_bytes: int  #: activation bytes alive at it
+    predicted_peak_bytes: int
+    eager_backward_start_bytes: int  #: live bytes as the step's backward starts
+    predicted_backward_start_bytes: int
+
+
 @dataclass(kw_only=True)
 class CompileSaving:
     eager_saved_bytes: int  #: what eager autograd holds at the end of forward
@@ -63,7 +74,7 @@ class CompileSaving:
     compiled_saved_output_bytes: int
     graphs: list[GraphSaving]
     graph_breaks: dict[str, int]  #: reason -> times dynamo broke the graph there
-    peak: "PeakPrediction"  #: the eager trace's analysed step and what compiling makes it
+    peak: PeakPrediction  #: the eager trace's analysed step and what compiling makes it
     method: str  #: 'fake' or 'real': the tensors the prediction ran on
     seconds: float
 
@@ -108,15 +119,6 @@ def compile_saving(trace_path: str | os.PathLike, *, method: str = "fake") -> Co
         seconds=time.monotonic() - started)
 
 
-@dataclass(kw_only=True, slots=True)
-class PeakPrediction:
-    eager_peak_bytes: int  #: the analysed step's peak
-    activation_at_peak_bytes: int  #: activation bytes alive at it
-    predicted_peak_bytes: int
-    eager_backward_start_bytes: int  #: live bytes as the step's backward starts
-    predicted_backward_start_bytes: int
-
-
 def predicted_peak(trace, eager_saved_bytes: int, compiled_saved_bytes: int) -> PeakPrediction:
     """The analysed step with each event's activation bytes scaled by
     ``compiled_saved_bytes / eager_saved_bytes`` (the compiled figure without the model
@@ -151,6 +153,8 @@ def measure_compiled_run(trace_path: str | os.PathLike, *, backend: str = "induc
     all), each backward's saved bytes (``saved_bytes``, a list) and each step's peak CPU
     bytes above the script's start (``step_peak_bytes``)."""
     from ..trace.io import read_meta
+    if backend not in ("inductor", "eager"):
+        raise UserError(f"backend must be 'inductor' or 'eager', not {backend!r}")
     meta = read_meta(trace_path)
     return run_script_compiled(meta, trace_path, mode=backend, method="real", steps=steps)
 
@@ -193,8 +197,11 @@ def compile_inserted(source: str, filename: str) -> str:
 def run_script_compiled(meta, trace_path, *, mode: str, method: str, steps: int = 2) -> dict:
     """Run the recorded script in a child with the model compiled (``mode``: 'predict',
     'inductor' or 'eager'); the child's result, or UserError naming what went wrong."""
-    from ..verify.script import applied_copy, in_user_terms, recorded_script
-    script = recorded_script(meta, trace_path)
+    from ..verify.script import applied_copy, in_user_terms, locate_script
+    script, problem = locate_script(meta, trace_path)
+    if script is None:
+        raise UserError(f"{trace_path}: the compile advice runs the profiled script again, "
+                        f"but {problem.removeprefix('the profiled script ')}")
     code = compile_inserted(script.source, str(script.path))
     with applied_copy(script, code) as copy, \
             tempfile.TemporaryDirectory(prefix="memadvisor-compile-") as folder:
@@ -372,7 +379,7 @@ class _Child:
                 if isinstance(leaf, torch.Tensor):
                     self.inputs.append(leaf)
             result = (compiled if self.compiling else eager)(*args, **kwargs)
-            self.outputs += [leaf for leaf in tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+            self.outputs += [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
             return result
         model._compiled_call_impl = call  # what nn.Module.compile() sets
 
@@ -407,9 +414,8 @@ class _Child:
         if self.spec["method"] == "real" and self.spec["mode"] != "predict":
             from ..profile.native import AllocatorHook
             self.hook = AllocatorHook.load()
-        originals = torch.autograd.backward, torch.autograd.grad
-
         from torch._guards import TracingContext
+        originals = torch.autograd.backward, torch.autograd.grad
 
         def wrap(original, key):
             def run(*args, **kwargs):
@@ -426,7 +432,8 @@ class _Child:
         if self.hook is not None:
             self.start_bytes = self.hook.live_bytes
             self.hook.reset_peak()
-        context = _fake_context() if self.spec["method"] == "fake" else _nothing()
+        context = _fake_context() if self.spec["method"] == "fake" else \
+            contextlib.nullcontext()
         try:
             with context:
                 runpy.run_path(self.spec["script"], run_name="__main__",
@@ -466,14 +473,6 @@ class _Child:
 def _fake_context():
     from ..fake.runtime import fake_execution
     return fake_execution(gpu=None)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _child_main(spec_path: str) -> int:
