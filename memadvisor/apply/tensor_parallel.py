@@ -27,8 +27,8 @@ rows cannot be made to follow heads (ColwiseParallel would hand rank 0 all of q 
 of k); the blocks' MLPs are split all the same.
 
 The embedding, the LM head and the final norm stay replicated in this increment (and the
-blocks' norms without ``sp``): every rank holds them whole and computes the same gradients for them, since
-every rank of a tensor-parallel group sees the same batch.
+blocks' norms without ``sp``): every rank holds them whole and computes the same gradients
+for them, since every rank of a tensor-parallel group sees the same batch.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..plan import ModuleEntry, Plan, PlanError, tensor_parallel_blocks
+from ..plan import (ModuleEntry, Plan, PlanError, TensorParallelBlocks,
+                    tensor_parallel_blocks)
 
 #: attributes holding a head count the attention's forward reshapes with
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads",
@@ -56,13 +57,7 @@ class Layout:
 
     def linear_paths(self) -> dict[str, str]:
         """Every split Linear: path -> 'colwise' | 'rowwise'."""
-        out = {}
-        for blocks in (self.attention, self.mlp):
-            for path, roles in blocks.items():
-                for role, names in roles.items():
-                    for name in names:
-                        out[_join(path, name)] = "rowwise" if role == "down" else "colwise"
-        return out
+        return TensorParallelBlocks(self.attention, self.mlp, self.kept).linear_styles()
 
 
 def _join(path: str, name: str) -> str:
@@ -117,22 +112,27 @@ def _check_divisible(model: nn.Module, layout: Layout, tp: int) -> None:
         linear = modules[path]
         width = linear.out_features if style == "colwise" else linear.in_features
         if width % tp:
-            raise PlanError(f"tp={tp}: {path} has {width} {'output' if style == 'colwise' else 'input'}"
-                            f" features, not divisible by tp")
+            side = "output" if style == "colwise" else "input"
+            raise PlanError(f"tp={tp}: {path} has {width} {side} features, not divisible by tp")
 
 
-_mesh = None  #: the (data-parallel x tensor-parallel) DeviceMesh made by ``make_mesh``
+#: the (data-parallel x tensor-parallel) DeviceMesh ``make_mesh`` made, with what it was
+#: made for (shape, device, process group): a later job in the same process (the tests run
+#: several scripts on one group) gets a new one when any of these changed
+_mesh: tuple | None = None
 
 
 def make_mesh(plan: Plan, device_type: str):
-    """One mesh per process: ``(dp, tp)``, consecutive ranks in one tensor-parallel group
-    (they exchange activations every layer: the fastest links on a node)."""
+    """One mesh per process group: ``(dp, tp)``, consecutive ranks in one tensor-parallel
+    group (they exchange activations every layer: the fastest links on a node)."""
     global _mesh
-    if _mesh is None:
+    import torch.distributed as dist
+    key = (plan.data_parallel_size, plan.tp, device_type, id(dist.group.WORLD))
+    if _mesh is None or _mesh[0] != key:
         from torch.distributed.device_mesh import init_device_mesh
-        _mesh = init_device_mesh(device_type, (plan.data_parallel_size, plan.tp),
-                                 mesh_dim_names=("dp", "tp"))
-    return _mesh
+        _mesh = (key, init_device_mesh(device_type, (plan.data_parallel_size, plan.tp),
+                                       mesh_dim_names=("dp", "tp")))
+    return _mesh[1]
 
 
 def data_parallel_mesh(plan: Plan, device_type: str):
