@@ -13,6 +13,14 @@ interpreter and its imports, ~110 MB, included).  The load average is printed be
 row: on a shared machine the seconds move with it; the CPU seconds much less, the peak RSS
 not at all.
 
+``--profiled-layers N ...`` adds profiled traces: examples/gpt_lm.py profiled for real at N
+layers (d_model 64, batch 8, 3 steps: 760 layers make ~935k events), each timed twice --
+``advise()`` as above, and the whole ``memadvisor advise`` command (reading, the plan search,
+apply's rewrite of the script for the plans shown, printing) in a fresh process, budget 70%
+of the trace's peak on 2 GPUs of its own device.  A synthetic trace has no checkpointable
+module names, data flow or script: the profiled one exercises what it cannot (checkpointing
+760 regions was quadratic in the step until 2026-11-26).
+
 Targets (issue 16): 1M events <= 5 s and <= 1 GB; 5M events <= 25 s and <= 3 GB; 10M events
 runs to the end.  ``--check`` exits 1 when a size with a target misses it.  Pin the cores
 with ``taskset -c 0,1`` to reproduce the 2-core setting.
@@ -183,7 +191,7 @@ def measure(path: str, gpus: int, gpu: str, budget: str) -> dict:
     release_events(trace)  # as the command does
     prepared = time.perf_counter()
     cpu_prepared = time.process_time()
-    result = advise(base, hardware(gpu), parse_bytes(budget), gpus)
+    result = advise(base, hardware(gpu or None, trace.meta.device), parse_bytes(budget), gpus)
     done = time.perf_counter()
     return {"events": events, "plans": result.evaluated,
             "fitting": len(result.ranked), "load_s": loaded - started,
@@ -201,15 +209,59 @@ def run(events: int, gpus: int, gpu: str, budget: str, folder: str) -> dict:
     if not os.path.exists(path):
         synthetic_trace(path + ".tmp", events)
         os.replace(path + ".tmp", path)
+    return run_trace(path, gpus, gpu, budget)
+
+
+def run_trace(path: str, gpus: int, gpu: str | None, budget: str) -> dict:
+    """``measure`` of ``path`` in a fresh process (``gpu`` None: the trace's own device)."""
     load_before = os.getloadavg()[0]
     child = subprocess.run([sys.executable, __file__, "--measure", path, "--gpus", str(gpus),
-                            "--gpu", gpu, "--budget", budget],
+                            "--budget", budget, *(["--gpu", gpu] if gpu else ["--gpu", ""])],
                            capture_output=True, text=True)
     if child.returncode:
-        raise SystemExit(f"measuring {events:,} events failed (exit {child.returncode}):\n"
+        raise SystemExit(f"measuring {path} failed (exit {child.returncode}):\n"
                          f"{child.stderr[-4000:]}")
     result = json.loads(child.stdout.strip().splitlines()[-1])
     result["load_average"] = (load_before, os.getloadavg()[0])
+    return result
+
+
+def profiled_trace(layers: int, folder: str) -> str:
+    """examples/gpt_lm.py profiled at ``layers`` layers (kept in ``folder`` and reused)."""
+    path = os.path.join(folder, f"gpt_lm_{layers}_layers.trace")
+    if os.path.exists(path):
+        return path
+    root = os.path.join(os.path.dirname(__file__), "..")
+    proc = subprocess.run(
+        [sys.executable, "-m", "memadvisor.cli", "profile",
+         os.path.join(root, "examples", "gpt_lm.py"), "-o", path, "--steps", "3", "-q",
+         "--no-probes", "--", "--n-layer", str(layers), "--d-model", "64", "--batch-size", "8"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise SystemExit(f"profiling gpt_lm at {layers} layers failed:\n{proc.stderr[-2000:]}")
+    return path
+
+
+def run_profiled(layers: int, folder: str) -> dict:
+    """``advise()`` and the whole ``memadvisor advise`` command on a profiled trace."""
+    from memadvisor.simulate import prepare
+    from memadvisor.trace.io import read_trace
+
+    path = profiled_trace(layers, folder)
+    peak = prepare(read_trace(path)).peak.bytes
+    budget = str(int(0.7 * peak))
+    result = run_trace(path, 2, None, budget)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "memadvisor.cli", "advise", path,
+                           "--budget", budget, "--gpus", "2"], capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode not in (0, 1, 2):
+        raise SystemExit(f"advise on {path} failed:\n{proc.stderr[-2000:]}")
+    result["command_s"] = time.perf_counter() - started
+    result["command_cpu_s"] = (after.ru_utime - before.ru_utime
+                               + after.ru_stime - before.ru_stime)
+    result["label"] = f"gpt_lm, {layers} layers (profiled)"
     return result
 
 
@@ -223,6 +275,9 @@ def main(argv=None):
     parser.add_argument("--trace-dir", help="Keep the synthetic traces here and reuse them.")
     parser.add_argument("--check", action="store_true",
                         help="Exit 1 when a size with a target (1M, 5M events) misses it.")
+    parser.add_argument("--profiled-layers", type=int, nargs="*", default=[],
+                        help="Also time gpt_lm profiled at these layer counts (760: ~935k "
+                             "events), the plan search and the whole advise command.")
     parser.add_argument("--measure", metavar="TRACE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
@@ -233,6 +288,7 @@ def main(argv=None):
         os.makedirs(folder, exist_ok=True)
         results = [run(events, args.gpus, args.gpu, args.budget, folder)
                    for events in args.events]
+        profiled = [run_profiled(layers, folder) for layers in args.profiled_layers]
     print(f"advise on {os.cpu_count()} CPUs visible, target {args.gpu} x {args.gpus}, "
           f"budget {args.budget}\n")
     print("| events | plans | shown | load s | prepare s | advise s | total s | CPU s "
@@ -258,6 +314,17 @@ def main(argv=None):
                   / math.log(ratio) for p in parts}
         print(f"\n{a['events']:,} -> {b['events']:,} events: CPU time grows as events^x, x = "
               + ", ".join(f"{p} {x:.2f}" for p, x in growth.items()))
+    if profiled:
+        print("\nProfiled traces: advise() as above, and the whole `memadvisor advise` command "
+              "(budget 70% of the peak, 2 GPUs of the trace's device)\n")
+        print("| trace | events | plans | advise() s | CPU s | peak RSS | command s | "
+              "command CPU s | load average |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        for r in profiled:
+            print(f"| {r['label']} | {r['events']:,} | {r['plans']:,} | {r['total_s']:.2f} | "
+                  f"{r['cpu_s']:.2f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | "
+                  f"{r['command_s']:.2f} | {r['command_cpu_s']:.2f} | "
+                  f"{r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f} |")
     missed = 0
     print()
     for r in results:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from ..plan import FSDP_SHARDS, Plan
 from ..units import format_bytes
 from .hardware import LINK_EFFICIENCY, MATMUL_EFFICIENCY, Hardware
+from .module_paths import inside_any
 from .offload import host_link_bytes
 from .sharding import communication_bytes
 
@@ -162,11 +163,10 @@ def region_forward_flops(work: WorkProfile, regions: list[str]) -> float:
 
 
 def _region_forward_flops(work: WorkProfile, regions: list[str]) -> float:
-    total = 0.0
-    for module, flops in work.module_forward_flops.items():
-        if any(r == "" or module == r or module.startswith(r + ".") for r in regions):
-            total += flops
-    return total
+    modules = list(work.module_forward_flops)
+    inside = inside_any(modules, regions)
+    return float(sum(flops for flops, hit in zip(work.module_forward_flops.values(), inside)
+                     if hit))
 
 
 def _flop_text(flops: float) -> str:

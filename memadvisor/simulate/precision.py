@@ -276,13 +276,22 @@ def _cast_inputs(out: Timeline, batch: dict, module_parameter_bytes: dict[str, i
 
 
 def _inside(path: str, regions) -> bool:
-    return any(r == "" or path == r or path.startswith(r + ".") for r in regions)
+    """``path`` is one of ``regions`` or inside one ('' holds everything).  By the path's
+    prefixes, not by region: a model of hundreds of checkpointed blocks asks it per module."""
+    regions = regions if isinstance(regions, (set, frozenset)) else frozenset(regions)
+    if not regions:
+        return False
+    if "" in regions or path in regions:
+        return True
+    parts = path.split(".")
+    return any(".".join(parts[:i]) in regions for i in range(1, len(parts)))
 
 
 def _autocast(timeline: Timeline, low: str, device_type: str,
               module_parameter_bytes: dict[str, int], regions=(),
               module_types: dict[str, str] | None = None) -> Timeline:
     module_types = module_types or {}
+    regions = frozenset(regions)
     rules = device_rules(device_type)
     lower_ops, fp32_ops = rules["autocast_lower"], rules["autocast_fp32"]
     forward = np.flatnonzero((timeline.phase == _FORWARD) & (timeline.alloc_key >= 0))

@@ -30,6 +30,7 @@ import numpy as np
 from ..plan import Plan
 from ..trace import schema
 from .optimizer_swap import FOREACH_OP
+from .module_paths import containing, last_containing
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
 _FORWARD = PHASE_CODE[schema.FORWARD]
@@ -77,11 +78,7 @@ def _spans(timeline: Timeline, blocks: list[str]) -> list[tuple]:
     modules = timeline.modules
     allocs = timeline.event_is_alloc
     # each event's module -> the block containing it (-1: none)
-    block_of_module = np.full(len(modules), -1)
-    for index, path in enumerate(blocks):
-        for code, name in enumerate(modules):
-            if name == path or name.startswith(path + "."):
-                block_of_module[code] = index
+    block_of_module = last_containing(modules, blocks)
     event_block = np.where(allocs, block_of_module[timeline.event_module], -1)
     alloc_events = np.flatnonzero(allocs)
     phase_last = {phase: _phase_span(timeline, phase)[1] for phase in (_FORWARD, _BACKWARD)}
@@ -93,14 +90,23 @@ def _spans(timeline: Timeline, blocks: list[str]) -> list[tuple]:
         after = alloc_events[following] if following < len(alloc_events) else timeline.n_events
         return float(max(last, min(after - 1, phase_last[phase])))
 
+    # each block's first and last allocation per phase, all blocks at once
+    hit = np.flatnonzero(event_block >= 0)
+    ranges = {}
+    for phase in (_FORWARD, _BACKWARD):
+        events = hit[timeline.event_phase[hit] == phase]
+        first = np.full(len(blocks), np.iinfo(np.int64).max, np.int64)
+        last = np.full(len(blocks), -1, np.int64)
+        np.minimum.at(first, event_block[events], events)
+        np.maximum.at(last, event_block[events], events)
+        ranges[phase] = (first, last)
     spans = []
     for index, path in enumerate(blocks):
-        hit = event_block == index
-        fwd = np.flatnonzero(hit & (timeline.event_phase == _FORWARD))
-        bwd = np.flatnonzero(hit & (timeline.event_phase == _BACKWARD))
-        if len(fwd) and len(bwd):
-            spans.append((path, (float(fwd[0]), end(int(fwd[-1]), _FORWARD)),
-                          (float(bwd[0]), end(int(bwd[-1]), _BACKWARD))))
+        (fwd_first, fwd_last), (bwd_first, bwd_last) = (
+            (r[0][index], r[1][index]) for r in (ranges[_FORWARD], ranges[_BACKWARD]))
+        if fwd_last >= 0 and bwd_last >= 0:
+            spans.append((path, (float(fwd_first), end(int(fwd_last), _FORWARD)),
+                          (float(bwd_first), end(int(bwd_last), _BACKWARD))))
     return spans
 
 
@@ -255,11 +261,7 @@ def fsdp_layout(timeline: Timeline, blocks: list[str]) -> Timeline:
         return timeline
     unit_keys, root_key = _post_backward_keys(timeline, blocks)
     spans = [u.path for u in _units(timeline, blocks, {})]
-    unit_of_module = np.full(len(timeline.modules), -1)
-    for index, path in enumerate(spans):
-        for code, name in enumerate(timeline.modules):
-            if name == path or name.startswith(path + "."):
-                unit_of_module[code] = index
+    unit_of_module = last_containing(timeline.modules, spans)
     keys = np.append(np.asarray(unit_keys, float), root_key)
     post = keys[unit_of_module[timeline.module[grad]]]  # -1 -> the root's key
     # a gradient made after its unit's reduce-scatter (module attribution off): the root's
@@ -289,12 +291,11 @@ def _earliest_backward_rows(timeline: Timeline, paths: list[str]) -> np.ndarray:
     out = np.full(len(paths) + 1, np.inf)
     if rows.any():
         out[-1] = float(keys[rows].min())
-    names = np.asarray(timeline.modules, dtype=object)
-    for index, path in enumerate(paths):
-        member = np.array([n == path or n.startswith(path + ".") for n in names], bool)
-        hit = rows & member[timeline.module]
-        if hit.any():
-            out[index] = float(keys[hit].min())
+    # earliest per module, then per path over the modules it holds
+    by_module = np.full(len(timeline.modules), np.inf)
+    np.minimum.at(by_module, timeline.module[rows], keys[rows])
+    codes, found = containing(timeline.modules, paths)
+    np.minimum.at(out, found, by_module[codes])
     return out
 
 
@@ -399,9 +400,10 @@ def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_tot
             clones.append((nbytes, post + _SCATTER_COPY, post + _SCATTER_COPY + 0.005,
                            post + _SCATTER_COPY + 0.0025))
     collectives.sort()
+    collective_keys = np.asarray(collectives, float)  # searched once per buffer
 
     def next_collective(key: float) -> float | None:
-        at = np.searchsorted(collectives, key, side="right")
+        at = int(np.searchsorted(collective_keys, key, side="right"))
         return collectives[at] + 1e-4 if at < len(collectives) else None
 
     for nbytes, start, fsdp_free, collective, phase in buffers:
