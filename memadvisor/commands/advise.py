@@ -37,9 +37,13 @@ from ..terminal import safe_text
                    "costs as much; the default), speed (wall time per step: GPUs are free) or "
                    "memory (the smallest peak).  Without it, a script that already fits is "
                    "told to change nothing.")
+@click.option("--compile", "compile_model", is_flag=True,
+              help="Also predict what torch.compile would save (runs the profiled script "
+                   "again on fake CPU tensors through inductor's partitioner: seconds to "
+                   "tens of seconds; docs/COMPILE_ADVICE.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
 def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segments, save_plan,
-            overwrite, verify_count, objective, as_json):
+            overwrite, verify_count, objective, compile_model, as_json):
     """Rank every plan that fits a memory budget by predicted step time.  Plans `apply`
     cannot realise for the profiled script are marked; the top plans are executed (by
     default on a GPU target, with --verify K on the cpu target) and the executed peak
@@ -63,7 +67,14 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
     base = baseline_as_applied(trace)  # the loop as apply rewrites it
     hw = target_hardware(gpu, trace.meta.device, expandable_segments)
     # the last reader of the events; --expandable-segments: a setting already in use
-    advice = collect_advice(trace, base, hw, alloc_conf="expandable_segments:True"
+    providers = None
+    if compile_model:
+        from ..advice import PROVIDERS
+        from ..advice.compile_advice import compile_advice
+        script = str(trace.meta.argv[0]) if trace.meta.argv else ""
+        providers = PROVIDERS + [lambda _context: compile_advice(trace_path, script)]
+    advice = collect_advice(trace, base, hw, providers=providers,
+                            alloc_conf="expandable_segments:True"
                             if expandable_segments else None)
     release_events(trace)  # only the metadata is read from here on
     script, choice = _script_and_choice(trace, trace_path, verify_count, hw.device_type)

@@ -137,3 +137,37 @@ def test_a_script_without_an_optimizer_is_one_line():
     with pytest.raises(UserError) as caught:
         compile_inserted("import torch\nmodel = torch.nn.Linear(2, 2)\n", "plain.py")
     assert "\n" not in str(caught.value) and "optimizer" in str(caught.value)
+
+
+@pytest.mark.skipif(not has_compiler, reason="inductor needs a C++ compiler on the CPU, "
+                    "and this machine has none (no g++, c++ or clang++)")
+def test_advise_lists_the_compile_advice_when_asked(profiled):
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "memadvisor.cli", "advise", str(profiled),
+                          "--budget", "1GiB", "--compile", "--json"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    import json
+    compile_items = [a for a in json.loads(run.stdout)["advice"] if a["kind"] == "compile"]
+    assert len(compile_items) == 1
+    item = compile_items[0]
+    details = item["details"]
+    # the figures are compile_saving's: two graphs, one break, a saving only if it lowers
+    # the peak
+    assert details["graphs"] == 2 and sum(details["graph_breaks"].values()) == 1
+    lowered = details["eager_peak_bytes"] - details["predicted_peak_bytes"]
+    assert item["bytes_saved"] == (max(lowered, 0) if item["status"] == "suggested" else 0)
+    assert item["status"] in ("suggested", "info")
+
+
+def test_compile_advice_that_cannot_run_says_why(monkeypatch, tmp_path):
+    from memadvisor.advice import MISSING
+    from memadvisor.advice import compile_saving as module
+    from memadvisor.advice.compile_advice import compile_advice
+
+    def refuse(path, method="fake"):
+        raise UserError(f"{path}: the compile advice predicts CPU runs only so far")
+    monkeypatch.setattr(module, "compile_saving", refuse)
+    (item,) = compile_advice(tmp_path / "gpu.trace", "train.py")
+    assert item.status == MISSING and item.bytes_saved == 0
+    assert "CPU runs only" in item.reason and item.location == "train.py"
