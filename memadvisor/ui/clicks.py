@@ -182,6 +182,7 @@ def register(app, board: Dashboard) -> None:
     steps = known_steps(board)
 
     def moment():
+        board.advisor.hold_off()  # the plans made ahead wait: this page is in use
         answer, status = moment_answer(board, request.get_json(silent=True), steps)
         if status != 200:
             return answer["error"] + "\n", status, {"Content-Type": "text/plain"}

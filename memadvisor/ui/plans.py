@@ -103,6 +103,13 @@ class PlanAdvisor:
             self._last_asked = time.monotonic()
         self._wake.set()
 
+    def hold_off(self) -> None:
+        """Someone is using the page (a click, a pointer resting on the timeline): what
+        the worker makes ahead waits another ``PREFETCH_AFTER_IDLE_S``, so that the CPU,
+        shared with the browser, answers them first."""
+        with self._lock:
+            self._last_asked = time.monotonic()
+
     def prefetch_in_background(self) -> None:
         """While nobody waits for the worker, have it make the allocator model of the plans
         other budgets would show, those nearest the last budget asked for first, one plan a

@@ -101,3 +101,16 @@ def test_the_page_listens_for_clicks_and_hovers(board):
     assert repr(clicks.MOMENT_ROUTE) in script and "ROUTE" not in script and "KEEP" not in script
     assert "'plotly_click'" in script and "'plotly_hover'" in script and "'mousedown'" in script
 
+
+def test_a_click_holds_off_the_plans_made_ahead(board, client, monkeypatch):
+    # the worker's speculative plans wait while the page is in use: the CPU answers clicks
+    calls = []
+    monkeypatch.setattr(board.advisor, "hold_off", lambda: calls.append(1))
+    client.post(clicks.MOMENT_ROUTE, json=_click(board, board.default_step(), 2))
+    assert calls == [1]
+
+
+def test_hold_off_delays_the_plans_made_ahead(board):
+    before = board.advisor._last_asked
+    board.advisor.hold_off()
+    assert board.advisor._last_asked > before
