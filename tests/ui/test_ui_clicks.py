@@ -114,3 +114,22 @@ def test_hold_off_delays_the_plans_made_ahead(board):
     before = board.advisor._last_asked
     board.advisor.hold_off()
     assert board.advisor._last_asked > before
+
+
+def test_a_trace_without_a_complete_step_is_clicked_as_the_whole_run(ui_model_trace):
+    from memadvisor.trace.io import read_trace
+
+    trace = read_trace(ui_model_trace)
+    trace.meta.steps_completed = 0
+    board = Dashboard(ui_data.from_traces(trace))
+    fig, _ = board.timeline_view(ui_data.WHOLE_RUN)
+    assert fig.layout.meta == {"step": ui_data.WHOLE_RUN}  # what the page posts back
+    client = build_app(board).server.test_client()
+    answer = client.post(clicks.MOMENT_ROUTE, json={
+        "step": ui_data.WHOLE_RUN, "click": {"points": [{"pointIndex": 2}]}})
+    assert answer.status_code == 200
+    caption, rows = board.moment_table(ui_data.WHOLE_RUN, {"points": [{"pointIndex": 2}]})
+    assert answer.get_json()["rows"] == rows and caption.startswith("At the selected moment")
+    # a step number is refused: this trace is shown as the whole run only
+    assert client.post(clicks.MOMENT_ROUTE, json={
+        "step": 2, "click": {"points": [{"pointIndex": 2}]}}).status_code == 400
