@@ -132,12 +132,28 @@ def _device_index(device=None) -> int:
     return device.index if device.index is not None else current_state.device_index
 
 
+#: the native shim's current device of the calling thread (``install`` sets it): the C++
+#: guard is the truth -- the autograd engine's worker thread for cuda:1 sets it there, in
+#: C++, before any Python runs on the thread (DTensor asked "cuda" on rank 1 in backward and
+#: got cuda:0 while the guard said 1)
+_native_current_device = None
+
+
 class _CurrentState(threading.local):
     """Per thread, as in CUDA: the current device and the current stream per device."""
 
     def __init__(self):
-        self.device_index = 0
+        self._device_index = 0
         self.streams: dict[int, FakeStream] = {}
+
+    @property
+    def device_index(self) -> int:
+        getter = _native_current_device
+        return int(getter()) if getter is not None else self._device_index
+
+    @device_index.setter
+    def device_index(self, index: int) -> None:
+        self._device_index = index
 
 
 current_state = _CurrentState()
@@ -200,12 +216,16 @@ def _memory_history_stubs(device_count: int) -> dict:
 
 
 def install(gpu: GpuProfile, device_count: int, stats: MemoryStats,
-            set_native_device=None) -> Patches:
+            set_native_device=None, native_current_device=None) -> Patches:
     """Patch ``torch.cuda`` to describe ``device_count`` GPUs like ``gpu``; memory queries
     answer from ``stats``; ``set_native_device(index)`` (the shim's) keeps the C++ current
-    device, which decides where ``device='cuda'`` tensors land, in step."""
+    device, which decides where ``device='cuda'`` tensors land, in step;
+    ``native_current_device()`` reads it (what ``current_device`` answers on every thread)."""
     cuda = torch.cuda
     patches = Patches()
+    if native_current_device is not None:
+        import sys
+        patches.set(sys.modules[__name__], "_native_current_device", native_current_device)
 
     def check_index(device) -> int:
         index = _device_index(device)

@@ -204,7 +204,8 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
         if profile is not None:
             undo.append(cuda_stubs.install(profile, min(nproc, shim_module.MAX_DEVICES),
                                            memory_stats or run.live_bytes,
-                                           loaded.set_current_device))
+                                           loaded.set_current_device,
+                                           loaded.lib.ma_fake_current_device))
         if profile is not None:
             # SDPA's kernel as the target picks it (the CPU build has no CUDA chooser)
             undo.append(sdpa.install(profile.capability))

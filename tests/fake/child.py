@@ -226,8 +226,13 @@ def case_fsdp() -> dict:
             fully_shard(layer)
         fully_shard(model)
         optimizer = torch.optim.AdamW(model.parameters())
+        batch = torch.randn(8, 64, device="cuda", requires_grad=True)
+        # runs on the autograd engine's thread for cuda:1, which set its device in C++
+        seen_in_backward = []
+        batch.register_hook(lambda grad: seen_in_backward.append(
+            (torch.cuda.current_device(), str(torch.empty(1, device="cuda").device))))
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(torch.randn(8, 64, device="cuda")).float().pow(2).mean()
+            loss = model(batch).float().pow(2).mean()
         loss.backward()
         optimizer.step()
         weight = model[0].weight
@@ -235,7 +240,8 @@ def case_fsdp() -> dict:
                "rank": dist.get_rank(), "is_dtensor": isinstance(weight, DTensor),
                "local_shape": list(weight.to_local().shape),
                "global_shape": list(weight.shape),
-               "current_device": torch.cuda.current_device()}
+               "current_device": torch.cuda.current_device(),
+               "seen_in_backward": seen_in_backward}
     out["step_peak_bytes"] = run.step_peak_bytes
     out["initialized_after"] = dist.is_initialized()
     return out

@@ -110,6 +110,8 @@ def test_fsdp2_over_two_fake_ranks():
     assert out["is_dtensor"] is True
     assert out["global_shape"] == [256, 64] and out["local_shape"] == [128, 64]
     assert out["current_device"] == 1  # LOCAL_RANK of rank 1
+    # on the autograd engine's own thread too (DTensor asks "cuda" there in backward)
+    assert out["seen_in_backward"] == [[1, "cuda:1"]]
     assert len(out["step_peak_bytes"]) == 1 and out["step_peak_bytes"][0] > 0
     assert out["initialized_after"] is False
 
