@@ -202,12 +202,7 @@ def _gathered_inputs(timeline: Timeline, styles: dict[str, str]) -> dict:
         rows["free_key"].append(float(timeline.alloc_key[backward].max()) + 0.5
                                 if len(backward) else float(timeline.free_key[forward].max()))
         rows["scales_with_batch"].append(scaled)
-    count = len(rows["size"])
-    return {"size": np.array(rows["size"]), "alloc_key": np.array(rows["alloc_key"]),
-            "free_key": np.array(rows["free_key"]),
-            "category": np.full(count, _ACTIVATION, np.int8),
-            "phase": np.full(count, _FORWARD, np.int8),
-            "scales_with_batch": np.array(rows["scales_with_batch"], bool)}
+    return _activation_rows(rows)
 
 
 def _kept_inputs(timeline: Timeline, kept: list[str]) -> dict:
@@ -231,6 +226,11 @@ def _kept_inputs(timeline: Timeline, kept: list[str]) -> dict:
         rows["free_key"].append(float(timeline.alloc_key[backward].max()) + 0.5
                                 if len(backward) else float(timeline.free_key[forward].max()))
         rows["scales_with_batch"].append(bool(timeline.scales_with_batch[last]))
+    return _activation_rows(rows)
+
+
+def _activation_rows(rows: dict) -> dict:
+    """Lists of sizes, keys and batch flags as the forward activation rows to append."""
     count = len(rows["size"])
     return {"size": np.array(rows["size"]), "alloc_key": np.array(rows["alloc_key"]),
             "free_key": np.array(rows["free_key"]),
