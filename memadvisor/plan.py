@@ -33,7 +33,9 @@ ZERO_SHARDS = ("zero1", "zero2", "zero3")
 OFFLOADS = ("optimizer", "params", "activations")
 OPTIMIZERS = ("keep", "sgd", "sgd-momentum", "adafactor", "adam8bit")
 KEYS = ("precision", "checkpoint", "accum", "shard", "world", "hybrid", "offload", "optimizer",
-        "tp", "sp")
+        "tp", "sp", "pp", "schedule", "microbatches")
+#: pipeline schedules (``interleaved`` is named so that it is refused with its reason)
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 #: keys whose compact form may stand alone (``sp`` = ``sp=on``)
 FLAGS = ("sp",)
 _TRUE, _FALSE = ("on", "true", "yes", "1"), ("off", "false", "no", "0", "none")
@@ -77,6 +79,16 @@ class Plan:
     sp: bool = False
     """sequence parallel (with tp): norms, dropout and the residual stream between the
     blocks' tensor-parallel regions are split along the sequence over the T ranks."""
+    pp: int = 1
+    """pipeline-parallel degree P: the repeated-block stack is cut into P contiguous stages,
+    one per rank; the first stage also runs what comes before the stack (embeddings), the
+    last what comes after it (final norm, head, loss)."""
+    schedule: str = "1f1b"
+    """pipeline schedule: 1f1b (stage s holds at most P - s micro-batches' activations) |
+    gpipe (every stage holds all M) | interleaved (refused for now)."""
+    microbatches: int | None = None
+    """pipeline micro-batches M per step (default P); the batch is cut into M parts that
+    flow through the stages, their gradients summed with weight 1/M."""
 
     def __post_init__(self):
         # normalise the forms a JSON file or a caller may use, then validate
@@ -145,8 +157,10 @@ class Plan:
             raise PlanError(f"unknown plan key {unknown[0]!r} (keys: {', '.join(KEYS)})")
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
-            if key in ("accum", "world", "tp"):
+            if key in ("accum", "world", "tp", "pp"):
                 kwargs[key] = _as_int(value, key, minimum=1)
+            elif key == "microbatches":
+                kwargs[key] = None if value in (None, "", "none") else _as_int(value, key, 1)
             elif key in FLAGS:
                 kwargs[key] = _as_flag(value, key)
             elif key == "hybrid":
@@ -197,9 +211,17 @@ class Plan:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that take different slices of the batch: ``world / tp`` (the ``tp`` ranks
-        of one tensor-parallel group share theirs)."""
-        return self.world // self.tp if self.tp >= 1 and self.world % self.tp == 0 else 1
+        """Ranks that take different slices of the batch: ``world / (tp x pp)`` (the ranks
+        of one tensor-parallel group, and the stages of one pipeline, share theirs)."""
+        model_ranks = self.tp * self.pp if self.tp >= 1 and self.pp >= 1 else 1
+        return self.world // model_ranks if self.world % model_ranks == 0 else 1
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """M: micro-batches one pipeline step cuts the batch into (1 without ``pp``)."""
+        if self.pp <= 1:
+            return 1
+        return self.microbatches or self.pp
 
     @property
     def shard_group_size(self) -> int:
@@ -217,12 +239,14 @@ class Plan:
         """Samples in one micro-batch on one rank: ``B / (world / tp * accum)``, or
         PlanError (the ranks of one tensor-parallel group take the same samples)."""
         ranks = self.data_parallel_size
-        parts = ranks * self.accum
+        parts = ranks * self.accum * self.pipeline_microbatches
         if batch_size % parts or batch_size < parts:
             how = " x ".join(p for p in (
                 (f"{ranks} data-parallel ranks" if self.tp > 1 else f"{ranks} ranks")
                 if ranks > 1 else "",
-                f"{self.accum} micro-batches" if self.accum > 1 else "") if p)
+                f"{self.accum} micro-batches" if self.accum > 1 else "",
+                f"{self.pipeline_microbatches} pipeline micro-batches" if self.pp > 1 else "")
+                if p)
             raise PlanError(
                 f"a batch of {batch_size} samples cannot be split evenly into {how}: "
                 f"the batch must be a multiple of {parts} (with a DataLoader, drop_last=True "
@@ -284,12 +308,16 @@ def _static_problems(plan: Plan) -> Iterable[str]:
     for name in sorted(plan.offload):
         if name not in OFFLOADS:
             yield f"offload entry {name!r} is not one of {', '.join(OFFLOADS)} (join them with +)"
-    for key in ("accum", "world", "tp"):
+    for key in ("accum", "world", "tp", "pp"):
         if not isinstance(getattr(plan, key), int) or getattr(plan, key) < 1:
             yield f"plan key {key} must be a whole number of at least 1"
     if not isinstance(plan.sp, bool):
         yield "plan key sp is on or off"
     yield from _tensor_parallel_problems(plan)
+    pipeline = list(_pipeline_problems(plan))
+    yield from pipeline
+    if pipeline:
+        return
 
     world, shard = plan.data_parallel_size, plan.shard
     if shard == "none" and world > 1:
@@ -366,6 +394,43 @@ def _tensor_parallel_problems(plan: Plan) -> Iterable[str]:
     if plan.optimizer in ("adafactor", "adam8bit"):
         yield (f"optimizer={plan.optimizer} with tp={tp}: it does not run on the DTensor "
                "parameters tensor parallelism makes; use keep, sgd or sgd-momentum")
+
+
+def _pipeline_problems(plan: Plan) -> Iterable[str]:
+    """Why a pp plan cannot run (first increment: a pipeline alone, world = pp)."""
+    pp, schedule, microbatches = plan.pp, plan.schedule, plan.microbatches
+    if schedule not in SCHEDULES:
+        yield f"plan key schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}"
+        return
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        yield "plan key microbatches must be a whole number of at least 1"
+        return
+    if not isinstance(pp, int) or pp < 2:
+        if schedule != "1f1b" or microbatches is not None:
+            yield ("schedule and microbatches are pipeline-parallel settings: add pp=2 or more "
+                   "(for micro-batches without a pipeline, use accum)")
+        return
+    if schedule == "interleaved":
+        yield ("schedule=interleaved (several stages per rank, ScheduleInterleaved1F1B) is not "
+               "supported yet: use schedule=1f1b or gpipe")
+    if plan.tp > 1:
+        yield f"pp={pp} with tp={plan.tp} is not supported yet: use one of them"
+    if plan.shard != "none" or plan.hybrid is not None:
+        yield (f"pp={pp} with shard={plan.shard} is not supported yet: a pipeline alone runs "
+               f"on world={pp} (shard=none)")
+    elif plan.world != pp:
+        yield (f"pp={pp} with world={plan.world}: a pipeline alone runs one stage per rank, "
+               f"so world must equal pp (pipeline x data parallelism is not supported yet)")
+    if plan.accum > 1:
+        yield (f"pp={pp} cuts the batch into pipeline micro-batches itself: write "
+               f"microbatches={plan.accum * plan.pipeline_microbatches} instead of accum="
+               f"{plan.accum}")
+    if plan.offload:
+        yield f"pp={pp} with offload is not supported yet"
+    if schedule == "1f1b" and plan.pipeline_microbatches < pp:
+        yield (f"schedule=1f1b with pp={pp} needs at least {pp} micro-batches (one in flight "
+               f"per stage), got microbatches={plan.pipeline_microbatches}: raise it, or use "
+               "schedule=gpipe")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
