@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Environment, Plan, PlanError, environment_problems, repeated_blocks
-from . import batching, checkpointing, checks, optimizers, precision, sharding, tensor_parallel
+from . import (batching, checkpointing, checks, optimizers, pipeline_parallel, precision,
+               sharding, tensor_parallel)
 
 _session: "Session | None" = None  #: the latest session (micro_batches splits for it)
 _sessions: "list[Session]" = []
@@ -58,6 +59,8 @@ class Session:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, on the CPU, by name, in the script's optimizer order
         (a collective under FSDP: every rank must call it)."""
+        if self.plan.pp > 1:  # each stage holds its own blocks: gathered from their ranks
+            return pipeline_parallel.full_parameters(self.module, self.parameter_names)
         params = dict(self.module.named_parameters())
         result = {}
         for name in self.parameter_names:
@@ -136,6 +139,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
                                                shard_group)
     if plan.tp > 1:
         tensor_parallel.without_foreach(new_optimizer)
+    if plan.pp > 1:  # after the optimizer is built over every parameter: then cut
+        wrapped = pipeline_parallel.apply_pipeline(module, new_optimizer, plan, ranks.rank,
+                                                   device_type)
     scaler = (_sessions[0].scaler if _sessions
               else precision.make_grad_scaler(plan, device_type))
     _session = Session(plan, module, wrapped, new_optimizer, ranks, parameter_names, scaler,
@@ -187,6 +193,8 @@ def _describe(session: Session, device_type: str, blocks: list[str],
         parts.append(f"checkpointing {shown}")
     if tp_layout is not None:
         parts.append(tensor_parallel.describe(tp_layout, plan.sp))
+    if isinstance(session.model, pipeline_parallel.PipelineModel):
+        parts.append(pipeline_parallel.describe(session.model))
     if plan.uses_fsdp:
         parts.append(f"fully_shard on {len(blocks)} blocks + the root")
     parts.append(f"optimizer {type(session.optimizer).__name__}")
@@ -241,6 +249,14 @@ def backward(loss: torch.Tensor, *args, scaler=None, **kwargs) -> None:
     if session is None:
         (scaler.scale(loss) if scaler is not None else loss).backward(*args, **kwargs)
         return
+    if getattr(loss, "_memadvisor_pipeline", False):
+        # the pipeline's schedule ran every micro-batch's backward inside the model call
+        for each in _sessions:
+            each.backwards += 1
+        return
+    if session.plan.pp > 1:
+        raise PlanError(f"pp={session.plan.pp}: the loss given to backward is not the one the "
+                        "pipelined model returned (the pipeline runs the backward itself)")
     weight = session.loss_weight()
     for each in _sessions:
         each.backwards += 1
@@ -364,6 +380,11 @@ def clip_grad_norm_(parameters, max_norm, *args, **kwargs) -> torch.Tensor:
     (FSDP2 returns a DTensor)."""
     parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else parameters
     _unscale(parameters)
+    if _sessions and _sessions[0].plan.pp > 1:
+        model = _sessions[0].model
+        replicated = {id(p) for p in getattr(model, "replicated", ())}
+        return pipeline_parallel.clip_grad_norm_(parameters, max_norm, replicated, *args,
+                                                 **kwargs)
     if _sessions and _sessions[0].plan.tp > 1:
         # split Linears' DTensor gradients beside replicated plain ones (or, under FSDP,
         # DTensors of a 2-D and a 1-D mesh): torch's foreach norm refuses either mix

@@ -1,0 +1,354 @@
+"""``pp=P``: pipeline parallelism with PyTorch's own ``torch.distributed.pipelining``.
+
+The model's repeated-block stack (``plan.repeated_blocks``: the largest ModuleList or
+Sequential of same-class blocks) is cut into P contiguous stages, one per rank.  Rather than
+re-expressing the model's forward as stage modules (the ``pipeline()`` tracer is fragile,
+and a hand-written split needs to know the forward's code), every stage runs **the model's
+own forward** with module hooks:
+
+- blocks of other stages are replaced by ``_Skip`` (returns its first argument): their
+  parameters leave this rank;
+- a stage after the first swaps its first block's input for the activation it received
+  from the previous stage (so whatever else the forward hands each block -- a rope table,
+  a mask -- is computed by the forward itself, as torchtitan keeps ``freqs_cis`` as a
+  buffer on every stage);
+- a stage before the last stops at its last block's output (``_StageDone``) and sends it;
+- the last stage runs on to the model's output and hands the schedule its loss.
+
+The layers outside the stack (embeddings, final norm, head) stay on every rank in this
+increment: only the first stage's embedding and the last stage's head take part in the
+math, and their gradients (zero elsewhere) are summed over the stages after each step's
+schedule, which also makes a weight tied between the embedding and the head (GPT) right.
+
+``ScheduleGPipe`` / ``Schedule1F1B`` run ``microbatches=M`` micro-batches with
+``scale_grads=True`` (gradients divided by M): the mean-loss math of the unmodified step.
+The forward must be embed -> blocks -> head: a block's input that is not the previous
+block's output (the forward changes the stream between blocks, or calls a block twice) is
+refused on the first batch, on every rank alike, as is a model whose output holds no loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan import Plan, PlanError, repeated_blocks
+from . import checkpointing
+
+_ARG = "_memadvisor_arg"  #: the script's positional arguments travel as keyword arguments
+
+
+class _StageDone(Exception):
+    """Raised by the hook on a stage's last block to leave the model's forward early."""
+
+    def __init__(self, output):
+        super().__init__("stage output")
+        self.output = output
+
+
+class _Skip(nn.Module):
+    """A block held by another stage: its input passes through."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+def stage_ranges(num_blocks: int, num_stages: int) -> list[range]:
+    """Contiguous, balanced block index ranges per stage (the first stages take the extra
+    blocks); shared with the simulator's rule (``simulate/pipeline_parallel.py``)."""
+    if num_blocks < num_stages:
+        raise PlanError(f"pp={num_stages} needs at least {num_stages} repeated blocks to give "
+                        f"each stage one; the model has {num_blocks}")
+    base, extra = divmod(num_blocks, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        size = base + (stage < extra)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def _loss_position(output):
+    """Where the model's output holds its loss (a 0-dim floating tensor), or None."""
+    def is_loss(value):
+        return (isinstance(value, torch.Tensor) and value.dim() == 0
+                and value.is_floating_point())
+    if is_loss(output):
+        return ("tensor", None)
+    if isinstance(output, (tuple, list)):
+        hits = [i for i, v in enumerate(output) if is_loss(v)]
+        if len(hits) == 1:
+            return (type(output).__name__, (len(output), hits[0]))
+    if isinstance(output, dict):
+        hits = [k for k, v in output.items() if is_loss(v)]
+        if len(hits) == 1:
+            return ("dict", (tuple(output), hits[0]))
+    return None
+
+
+class _Stage(nn.Module):
+    """What ``PipelineStage`` runs: the model's own forward, entered or left at this stage's
+    blocks by the hooks ``PipelineModel`` installs."""
+
+    def __init__(self, model: nn.Module, num_args: int, is_last: bool, position):
+        super().__init__()
+        self.model = model
+        self.num_args = num_args
+        self.is_last = is_last
+        self.position = position
+        self.received = None
+
+    def forward(self, *received, **kwargs):
+        args = [kwargs.pop(f"{_ARG}{i}") for i in range(self.num_args)]
+        self.received = received[0] if received else None
+        try:
+            output = self.model(*args, **kwargs)
+        except _StageDone as done:
+            return done.output
+        finally:
+            self.received = None
+        kind, where = self.position
+        return output if kind == "tensor" else output[where[1]]
+
+
+class PipelineModel(nn.Module):
+    """What the script calls under ``pp``: one call runs the whole pipeline schedule --
+    forward and backward of every micro-batch -- and returns the model's output with the
+    loss (the mean over micro-batches, on every rank) in its place and None for the rest."""
+
+    def __init__(self, module: nn.Module, plan: Plan, stage_index: int, blocks: list[str],
+                 owned: range, device: torch.device):
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.stage_index = stage_index
+        self.num_stages = plan.pp
+        self.block_paths = blocks
+        self.owned = owned
+        self.device = device
+        self.schedule = None
+        self.stage = None
+        self.position = None
+        self.dry_run = False
+        self.outputs: dict[int, object] = {}  #: block index -> its output this forward
+        modules = dict(module.named_modules())
+        self.replicated = [p for name, p in module.named_parameters()
+                           if not any(name.startswith(b + ".") for b in blocks)]
+        for index, path in enumerate(blocks):
+            parent, _, leaf = path.rpartition(".")
+            if index not in owned:
+                setattr(modules[parent] if parent else module, leaf, _Skip())
+        modules = dict(module.named_modules())
+        for index, path in enumerate(blocks):
+            block = modules[path]
+            block.register_forward_pre_hook(self._make_pre_hook(index))
+            block.register_forward_hook(self._make_hook(index))
+
+    # --- hooks ---------------------------------------------------------------------------
+    def _make_pre_hook(self, index: int):
+        def pre_hook(block, args):
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise PlanError(f"pp={self.num_stages}: block {self.block_paths[index]} is not "
+                                "called with the stream tensor as its first positional "
+                                "argument, so stages cannot hand it on")
+            if index > 0 and args[0] is not self.outputs.get(index - 1):
+                raise PlanError(
+                    f"pp={self.num_stages}: the model's forward does more than embed -> blocks "
+                    f"-> head: block {self.block_paths[index]}'s input is not block "
+                    f"{self.block_paths[index - 1]}'s output (the stream is changed between "
+                    "blocks, or a block is called twice), so it cannot be cut into stages")
+            if (index == self.owned.start and self.stage_index > 0 and not self.dry_run
+                    and self.stage is not None and self.stage.submod.received is not None):
+                return (self.stage.submod.received, *args[1:])
+            return None
+        return pre_hook
+
+    def _make_hook(self, index: int):
+        def hook(block, args, output):
+            if not isinstance(output, torch.Tensor):
+                raise PlanError(f"pp={self.num_stages}: block {self.block_paths[index]} returns "
+                                f"{type(output).__name__}, not one tensor to send to the next "
+                                "stage")
+            self.outputs[index] = output
+            if (index == self.owned.stop - 1 and self.stage_index < self.num_stages - 1
+                    and not self.dry_run):
+                self.outputs.clear()
+                raise _StageDone(output)
+            return None
+        return hook
+
+    # --- the schedule --------------------------------------------------------------------
+    def _build(self, kwargs: dict, batch_size: int):
+        """On the first batch: a no-grad run of one micro-batch through the model as this
+        rank holds it (other stages' blocks skipped) finds the stream's shape and the loss
+        in the output; every rank runs the same checks, so a refusal stops all alike."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        micro = batch_size // self.plan.pipeline_microbatches
+        first = {k: (v[:micro] if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        num_args = sum(k.startswith(_ARG) for k in kwargs)
+        args = [first.pop(f"{_ARG}{i}") for i in range(num_args)]
+        stream = {}
+
+        def grab(block, block_args):
+            stream.setdefault("x", block_args[0])
+        modules = dict(self.module.named_modules())
+        handle = modules[self.block_paths[0]].register_forward_pre_hook(grab)
+        self.dry_run = True
+        try:
+            with torch.no_grad():
+                output = self.module(*args, **first)
+        finally:
+            self.dry_run = False
+            handle.remove()
+            self.outputs.clear()
+        position = _loss_position(output)
+        if position is None:
+            raise PlanError(f"pp={self.num_stages}: the model's output holds no loss (one 0-dim "
+                            f"tensor; it returned {type(output).__name__}): the pipeline's "
+                            "last stage must compute the loss inside the model's forward "
+                            "(a loss computed by the script from the logits is not supported "
+                            "yet)")
+        self.position = position
+        x = stream["x"]
+        # the metadata's requires_grad decides whether received activations get gradients
+        # (torch 2.13's PipelineStage takes it from the example tensors given here)
+        meta = torch.empty(x.shape, dtype=x.dtype, device=self.device,
+                           requires_grad=x.is_floating_point())
+        is_last = self.stage_index == self.num_stages - 1
+        del output
+        submodule = _Stage(self.module, num_args, is_last, position)
+        self.stage = PipelineStage(
+            submodule, self.stage_index, self.num_stages, self.device,
+            input_args=(meta,) if self.stage_index > 0 else (),
+            output_args=(meta,) if not is_last else (torch.empty((), device=self.device, requires_grad=True),))
+        schedule_class = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
+        self.schedule = schedule_class(self.stage, n_microbatches=self.plan.pipeline_microbatches,
+                                       loss_fn=_identity_loss, scale_grads=True)
+
+    def forward(self, *args, **kwargs):
+        batch = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                      and a.dim() > 0), None)
+        if batch is None:
+            raise PlanError(f"pp={self.num_stages}: the model is called without a batch tensor")
+        batch_size = batch.shape[0]
+        self.plan.micro_batch_size(batch_size)  # PlanError when M does not divide it
+        for name, value in (*((f"argument {i}", a) for i, a in enumerate(args)),
+                            *kwargs.items()):
+            if isinstance(value, torch.Tensor) and (value.dim() == 0
+                                                   or value.shape[0] != batch_size):
+                raise PlanError(f"pp={self.num_stages}: {name} of the model call has shape "
+                                f"{tuple(value.shape)}, not a batch of {batch_size} first: the "
+                                "pipeline cuts every tensor argument into micro-batches")
+        inputs = {f"{_ARG}{i}": a for i, a in enumerate(args)}
+        inputs.update(kwargs)
+        if self.schedule is None:
+            self._build(inputs, batch_size)
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(batch_size, device=self.device)
+        self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
+        self.outputs.clear()
+        self._sum_replicated_gradients()
+        loss = torch.zeros((), device=self.device)
+        if losses:
+            loss = torch.stack([l.detach().float() for l in losses]).mean()
+        dist.broadcast(loss, src=self.num_stages - 1)  # world = pp: stage s is rank s
+        loss._memadvisor_pipeline = True
+        kind, where = self.position
+        if kind == "tensor":
+            return loss
+        if kind == "dict":
+            keys, key = where
+            return {k: (loss if k == key else None) for k in keys}
+        length, index = where
+        values = [loss if i == index else None for i in range(length)]
+        return tuple(values) if kind == "tuple" else values
+
+    def _sum_replicated_gradients(self):
+        """The layers outside the stack: only the first and last stages compute their
+        gradients (zero elsewhere); summed over the stages, every rank steps them alike."""
+        for p in self.replicated:
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+
+
+def _identity_loss(output, target):
+    return output
+
+
+def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
+                   rank: int, device_type: str) -> PipelineModel:
+    """Cut ``module`` into this rank's stage (in place) and drop the other stages' parameters
+    from ``optimizer``'s groups; returns the model the script calls."""
+    blocks = repeated_blocks(checkpointing.module_entries(module))
+    if not blocks:
+        raise PlanError(f"pp={plan.pp} found no repeated blocks (a ModuleList or Sequential of "
+                        "same-class modules) to cut into stages")
+    parent = blocks[0].rpartition(".")[0]
+    if parent == "" and isinstance(module, nn.Sequential):
+        raise PlanError(f"pp={plan.pp}: the repeated blocks are the model's own top-level "
+                        "Sequential children; their forward is not a hook point memadvisor "
+                        "can cut (wrap the stack in a ModuleList inside a model)")
+    owned = stage_ranges(len(blocks), plan.pp)[rank]
+    kept_names = {n for n, _ in module.named_parameters()
+                  if not any(n.startswith(b + ".") for i, b in enumerate(blocks)
+                             if i not in owned)}
+    named = dict(module.named_parameters())
+    kept = {id(named[n]) for n in kept_names}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in kept]
+    device = torch.device(device_type if device_type != "cuda"
+                          else f"cuda:{torch.cuda.current_device()}")
+    return PipelineModel(module, plan, rank, blocks, owned, device)
+
+
+def describe(model: PipelineModel) -> str:
+    owned = model.owned
+    return (f"pipeline stage {model.stage_index} of {model.num_stages} "
+            f"(blocks {owned.start}-{owned.stop - 1} of {len(model.block_paths)}, "
+            f"{model.plan.schedule}, {model.plan.pipeline_microbatches} micro-batches)")
+
+
+def full_parameters(module: nn.Module, parameter_names: list[str]) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on the CPU, by name: each stage's blocks gathered from the rank
+    that holds them (a collective: every rank calls it)."""
+    local = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, local)
+    merged: dict[str, torch.Tensor] = {}
+    for part in every:
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return {name: merged[name] for name in parameter_names}
+
+
+def clip_grad_norm_(parameters, max_norm: float, replicated: set[int],
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None):
+    """The total gradient norm over all stages: each stage's own blocks' squares summed over
+    the ranks, the replicated layers' (``replicated``: ids; equal on every rank after the
+    gradient sum) counted once; every gradient scaled as torch's clip_grad_norm_ would."""
+    if float(norm_type) != 2.0:
+        raise PlanError(f"pp: clip_grad_norm_ with norm_type={norm_type} is not supported "
+                        "under a pipeline yet (2.0 is)")
+    params = [p for p in parameters if p.grad is not None]
+    own = torch.zeros((), dtype=torch.float32)
+    shared = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        square = p.grad.detach().float().pow(2).sum().cpu()
+        if id(p) in replicated:
+            shared += square
+        else:
+            own += square
+    dist.all_reduce(own)
+    total = (own + shared).sqrt()
+    if error_if_nonfinite and not math.isfinite(float(total)):
+        raise RuntimeError(f"the total norm of order 2.0 for gradients is {float(total)}")
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coefficient.to(p.grad.device, p.grad.dtype))
+    return total

@@ -1,0 +1,151 @@
+"""pp=P: the plan knobs, how the block stack is cut, what is refused, and runs on 2 CPU
+ranks (gloo) compared with the unmodified single-process run."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from apply_runs import REPO, relative_error, run_distributed, run_original, same_math_error
+from memadvisor.apply import pipeline_parallel
+from memadvisor.plan import Plan, PlanError
+
+GPT = REPO / "examples" / "gpt_lm.py"
+GPT_ARGS = ["--steps", "3", "--batch-size", "8", "--log-every", "100"]
+
+
+# --- the plan ------------------------------------------------------------------------------
+def test_pp_knobs_parse_default_and_round_trip():
+    plan = Plan.parse("pp=2,world=2")
+    assert (plan.pp, plan.schedule, plan.pipeline_microbatches) == (2, "1f1b", 2)
+    assert plan.data_parallel_size == 1
+    assert plan.micro_batch_size(8) == 4  # one pipeline micro-batch: B / M
+    gpipe = Plan.parse("pp=2,world=2,schedule=gpipe,microbatches=4")
+    assert Plan.parse(gpipe.to_compact()) == gpipe
+    assert gpipe.to_compact() == "world=2,pp=2,schedule=gpipe,microbatches=4"
+    assert Plan.from_dict(gpipe.to_dict()) == gpipe
+    assert gpipe.micro_batch_size(8) == 2
+
+
+@pytest.mark.parametrize("text, words", [
+    ("pp=2,world=2,schedule=interleaved", "interleaved .* not supported yet"),
+    ("pp=2,world=2,schedule=zigzag", "schedule must be one of"),
+    ("pp=2,world=2,microbatches=1", "needs at least 2 micro-batches"),
+    ("pp=2,world=4", "world must equal pp"),
+    ("pp=2,world=2,accum=2", "microbatches=4 instead of accum=2"),
+    ("pp=2,tp=2,world=4", "with tp=2 is not supported"),
+    ("pp=2,world=2,shard=zero3", "shard=zero3 is not supported"),
+    ("schedule=gpipe", "add pp=2"),
+    ("microbatches=4", "add pp=2"),
+    ("pp=0", "at least 1"),
+])
+def test_impossible_pp_plans_are_refused_in_one_line(text, words):
+    with pytest.raises(PlanError, match=words) as caught:
+        Plan.parse(text)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_batch_the_micro_batches_do_not_divide_is_refused():
+    with pytest.raises(PlanError, match="multiple of 4"):
+        Plan.parse("pp=2,world=2,microbatches=4").micro_batch_size(6)
+
+
+def test_bad_pp_plan_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "memadvisor.cli", "apply", str(GPT), "--plan",
+                           "pp=2,world=3", "--dry-run"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 2
+    assert "world must equal pp" in done.stderr and "Traceback" not in done.stderr
+
+
+# --- how the stack is cut -------------------------------------------------------------------
+def test_stage_ranges_are_contiguous_and_balanced():
+    assert pipeline_parallel.stage_ranges(4, 2) == [range(0, 2), range(2, 4)]
+    assert pipeline_parallel.stage_ranges(5, 2) == [range(0, 3), range(3, 5)]
+    assert pipeline_parallel.stage_ranges(3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    with pytest.raises(PlanError, match="at least 4 repeated blocks"):
+        pipeline_parallel.stage_ranges(3, 4)
+
+
+class Block(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Model(nn.Module):
+    """embed -> blocks -> head; ``between`` changes the stream between blocks, ``loss`` says
+    whether the forward returns its loss."""
+
+    def __init__(self, between=False, loss=True):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(8, 16)
+        self.between, self.loss = between, loss
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+            if self.between:
+                x = x * 0.5
+        logits = self.head(x)
+        if not self.loss:
+            return logits
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _stage(model, rank=1):
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = Plan.parse("pp=2,world=2")
+    return pipeline_parallel.apply_pipeline(model, optimizer, plan, rank, "cpu"), optimizer
+
+
+def test_a_stage_keeps_its_blocks_and_the_layers_outside_the_stack():
+    model = Model()
+    stage, optimizer = _stage(model, rank=1)
+    names = {n for n, _ in model.named_parameters()}
+    assert not any(n.startswith(("blocks.0.", "blocks.1.")) for n in names)
+    assert {"blocks.2.fc.weight", "blocks.3.fc.weight", "embed.weight", "head.weight"} <= names
+    held = sum(len(g["params"]) for g in optimizer.param_groups)
+    assert held == len(names) == 2 * 2 + 1 + 2  # two blocks' weight+bias, embed, head w+b
+    assert "stage 1 of 2 (blocks 2-3 of 4, 1f1b, 2 micro-batches)" in \
+        pipeline_parallel.describe(stage)
+
+
+@pytest.mark.parametrize("model, words", [
+    (Model(between=True), "does more than embed -> blocks -> head"),
+    (Model(loss=False), "output holds no loss"),
+])
+def test_a_forward_that_cannot_be_cut_is_refused_on_the_first_batch(model, words):
+    stage, _ = _stage(model, rank=0)
+    idx = torch.randint(16, (4, 5))
+    with pytest.raises(PlanError, match=words):
+        stage(idx, idx)
+
+
+def test_argument_without_the_batch_dimension_is_refused():
+    stage, _ = _stage(Model(), rank=0)
+    with pytest.raises(PlanError, match="not a batch of 4 first"):
+        stage(torch.randint(16, (4, 5)), torch.randint(16, (5,)))
+
+
+# --- runs on two ranks ----------------------------------------------------------------------
+#: A pipeline sums each parameter's gradient over M micro-batches (scaled by 1/M), and the
+#: layers outside the stack add two stages' gradients with gloo: the same math as the
+#: unmodified step in another order, M parts (apply_runs.reorder_tolerance).
+@pytest.mark.slow
+def test_pp2_on_two_ranks_trains_as_the_unmodified_run(tmp_path):
+    jobs = [(GPT, "pp=2,world=2", GPT_ARGS),
+            (GPT, "pp=2,world=2,schedule=gpipe,microbatches=4", GPT_ARGS)]
+    results = run_distributed(jobs, 2, tmp_path)
+    original = run_original(GPT, GPT_ARGS)
+    for (_, plan, _), params in zip(jobs, results):
+        parts = Plan.parse(plan).pipeline_microbatches
+        assert same_math_error(params, original, parts) <= 1, \
+            (plan, relative_error(params, original))
