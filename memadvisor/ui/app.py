@@ -27,12 +27,13 @@ BYTES_FORMAT = {"function": (
     "(params.value / 1073741824).toFixed(2) + ' GiB' : Math.abs(params.value) >= 1048576 ? "
     "(params.value / 1048576).toFixed(2) + ' MiB' : Math.abs(params.value) >= 1024 ? "
     "(params.value / 1024).toFixed(1) + ' KiB' : params.value + ' B'")}
-BYTE_FIELDS = frozenset({"bytes", "peak_bytes", "reserved_bytes"})
+BYTE_FIELDS = frozenset({"bytes", "peak_bytes", "reserved_bytes", "bytes_saved"})
 CHANGE_FIELDS = ("a_peak", "b_peak", "peak_change", "a_allocated", "b_allocated",
                  "allocated_change")
 BYTE_FIELDS = BYTE_FIELDS | set(CHANGE_FIELDS)
-RIGHT = BYTE_FIELDS | {"count", "step_time_factor"}
-WIDE = frozenset({"plan", "changes", "code", "source", "module", "function", "name"})
+RIGHT = BYTE_FIELDS | {"count", "step_time_factor", "ms_per_step"}
+WIDE = frozenset({"plan", "changes", "code", "source", "module", "function", "name", "title",
+                  "reason"})
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 #: how long a request for the plan table waits for the background ranking before the page
 #: shows "ranking ..." and asks again every ``PLAN_POLL_MS`` (``plan-poll``), each poll
@@ -40,6 +41,11 @@ GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 PLAN_WAIT_S = 5.0
 PLAN_POLL_MS = 250
 PLAN_POLL_WAIT_S = 0.2
+#: the advice panel the same way: its first request waits ``ADVICE_WAIT_S`` (the worker
+#: makes it after the first ranking), then it is asked every ``ADVICE_POLL_MS``
+ADVICE_WAIT_S = 1.0
+ADVICE_POLL_MS = 500
+ADVICE_POLL_WAIT_S = 0.1
 #: a clientside callback that passes its input on once the browser has drawn a frame (the
 #: page's answer so far on screen) and run what that frame scheduled
 AFTER_NEXT_FRAME = """async function(value) {
@@ -53,6 +59,9 @@ MOMENT_COLUMNS = [("bytes", "bytes"), ("category", "category"), ("op", "op"),
 PLAN_COLUMNS = [("plan", "plan"), ("peak_bytes", "predicted peak"),
                 ("reserved_bytes", "reserved"), ("step_time_factor", "step time (x baseline)"),
                 ("fits", "fits?"), ("changes", "what changes")]
+ADVICE_COLUMNS = [("group", "status"), ("kind", "kind"), ("title", "change"),
+                  ("bytes_saved", "saves"), ("ms_per_step", "ms per step"),
+                  ("source", "where"), ("reason", "why")]
 SITE_COLUMNS = [("bytes", "bytes"), ("count", "count"), ("category", "category"), ("op", "op"),
                 ("module", "module"), ("source", "source file:line"), ("code", "code")]
 
@@ -206,6 +215,15 @@ def layout(board: Dashboard, budget_text: str = "") -> html.Div:
                  dcc.Interval(id="plan-poll", interval=PLAN_POLL_MS, disabled=True),
                  dcc.Loading(html.Div(id="plan-detail")),
                  section_id="plans"),
+        _section("Advice beyond plans",
+                 html.P("Read from the trace: in-place ops, caching-allocator settings, data "
+                        "loading. Bytes are off the analysed step's peak (reserved memory for "
+                        "allocator settings); refused changes would break autograd or the "
+                        "script.", style=META_STYLE),
+                 html.P(id="advice-message", style=META_STYLE),
+                 _grid("advice-table", ADVICE_COLUMNS, page_size=25, row_id="row_id"),
+                 dcc.Interval(id="advice-poll", interval=ADVICE_POLL_MS, disabled=True),
+                 section_id="advice"),
     ]
     comparison = _comparison_section(board)
     if comparison is not None:
@@ -285,6 +303,17 @@ def register_callbacks(app: dash.Dash, board: Dashboard) -> None:
                 return no_update, no_update, no_update, False
             return [], message, [], False
         return rows, message, [rows[i] for i in selected], True
+
+    @app.callback(Output("advice-table", "rowData"), Output("advice-message", "children"),
+                  Output("advice-poll", "disabled"), Input("advice-poll", "n_intervals"))
+    def _advice(polls):
+        rows, message, pending = board.advice_view(
+            ADVICE_POLL_WAIT_S if polls else ADVICE_WAIT_S)
+        if pending:
+            if polls:
+                return no_update, no_update, False
+            return [], message, False
+        return rows, message, True
 
     @app.callback(Output("plan-detail", "children"), Input("plan-table", "selectedRows"),
                   State("plan-table", "rowData"), State("budget", "value"))

@@ -87,6 +87,7 @@ class PlanAdvisor:
         self._last_asked = time.monotonic()
         self._closed = False
         self._prefetcher: threading.Thread | None = None
+        self._advice: Future | None = None  # ``advice_in_background``'s, once asked
 
     def _submit(self, method: str, *args, asked: bool = True) -> Future:
         future = self.worker.submit(_job, self._key, method, *args)
@@ -183,6 +184,25 @@ class PlanAdvisor:
         except BrokenExecutor as exc:
             return PlanRanking(budget_bytes, num_gpus,
                                message=f"no plans: the plan worker stopped ({exc})")
+
+    def advice_in_background(self) -> Future:
+        """The advice beyond plans (``Simulator.advice``), made once by the worker after the
+        jobs asked for before it (the first ranking: the page waits for that, not this)."""
+        with self._lock:
+            if self._advice is None or self._advice.cancelled():
+                self._advice = self._submit("advice")
+            return self._advice
+
+    def advice(self, wait_s: float | None = None) -> dict[str, Any] | None:
+        """``Simulator.advice``'s answer; None while it is still being made after
+        ``wait_s`` seconds (None: wait for it)."""
+        try:
+            return self.advice_in_background().result(timeout=wait_s)
+        except (FutureTimeout, CancelledError):
+            return None
+        except BrokenExecutor as exc:
+            return {"advice": [], "note": f"advice unavailable: the plan worker stopped "
+                                          f"({exc})"}
 
     def detail(self, plan_spec: str) -> dict[str, Any]:
         """One plan's prediction (``simulate --json``'s keys) plus ``timeline``: its

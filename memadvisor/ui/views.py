@@ -12,6 +12,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from ..advice import INFO, MISSING, REFUSED, SUGGESTED
+from ..advice.output import HEADINGS, short_location
 from ..errors import UserError
 from ..report.build import headline
 from ..units import format_bytes, parse_bytes
@@ -218,6 +220,26 @@ class Dashboard:
         first_fit = next((i for i, r in enumerate(ranking.rows) if r["fits"] == "yes"), None)
         return ranking.rows, ranking.message, [] if first_fit is None else [first_fit], False
 
+    # -- the advice beyond plans ---------------------------------------------------------
+
+    def advice_view(self, wait_s: float | None = None
+                    ) -> tuple[list[dict[str, Any]], str, bool]:
+        """The advice panel: rows (``advice_rows``), a message, and whether the worker is
+        still making it (after ``wait_s`` seconds; None: wait)."""
+        answer = self.advisor.advice(wait_s)
+        if answer is None:
+            return [], "reading the advice from the trace in the background ...", True
+        rows = advice_rows(answer["advice"], self.data.trace.meta.cwd or "")
+        if answer["note"]:
+            return rows, answer["note"], False
+        if not rows:
+            return rows, ("none: no in-place change, allocator setting or data loading "
+                          "change the trace shows would save anything"), False
+        counts = ", ".join(f"{sum(r['status'] == s for r in rows)} {HEADINGS[s]}"
+                           for s in ADVICE_ORDER if any(r["status"] == s for r in rows))
+        return rows, (f"{counts}: what memadvisor advise lists beside its plans, for the "
+                      "target above"), False
+
     def plan_view(self, selected_rows: list[int] | None, rows: list[dict] | None,
                   budget_text: Any = None) -> tuple[go.Figure | None, list[str]]:
         """The selected plan's predicted timeline beside the measured one, and its terms
@@ -246,11 +268,31 @@ class Dashboard:
 
 
 def start_ranking(advisor: PlanAdvisor, budget_bytes: int | None, num_gpus: int) -> None:
-    """Price the plans for ``num_gpus`` in the background, and rank them for the budget."""
+    """Price the plans for ``num_gpus`` in the background, and rank them for the budget;
+    then the advice beyond plans (after: the page waits for the ranking, not the advice)."""
     if budget_bytes:
         advisor.request(budget_bytes, num_gpus)
     else:
         advisor.price_in_background(num_gpus)
+    advisor.advice_in_background()
+
+
+#: the statuses in the order ``advice.collect`` sorts them (and ``advise`` prints them)
+ADVICE_ORDER = (SUGGESTED, REFUSED, INFO, MISSING)
+
+
+def advice_rows(advice: list[dict[str, Any]], base_folder: str) -> list[dict[str, Any]]:
+    """``advice.collect``'s items (as dicts) as the panel's rows, in its order: the status
+    headed as ``advise`` heads it, the location shortened as ``advise`` and ``report``
+    shorten it, the figures as numbers (the grid formats and sorts them)."""
+    return [{"row_id": str(i), "status": item["status"],
+             "group": HEADINGS.get(item["status"], item["status"]),
+             "kind": item["kind"].replace("_", " "), "title": item["title"],
+             "bytes_saved": _bytes_shown(item),
+             "ms_per_step": None if item.get("seconds") is None
+             else round(float(item["seconds"]) * 1e3, 3),
+             "source": short_location(item["location"], base_folder),
+             "reason": item["reason"]} for i, item in enumerate(advice)]
 
 
 def plan_explanation(detail: dict[str, Any]) -> list[str]:
@@ -272,3 +314,13 @@ def plan_explanation(detail: dict[str, Any]) -> list[str]:
     lines.append("changes: " + "; ".join(detail["changes"]))
     lines += [f"warning: {w}" for w in detail["warnings"]]
     return lines
+
+
+def _bytes_shown(item: dict[str, Any]) -> int | None:
+    """The bytes figure of a row: as ``advise`` says "saves 0 B" of a suggested change that
+    frees nothing at the peak (but not of a data loading one: its figure is time), and
+    leaves out a refused one's unless it is not 0."""
+    if (item["status"] == SUGGESTED and item["kind"] != "data_loading") \
+            or item["bytes_saved"]:
+        return int(item["bytes_saved"])
+    return None

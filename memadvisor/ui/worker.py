@@ -180,6 +180,19 @@ class Simulator:
         price_exactly(priced, todo[:count])
         return max(len(todo) - count, 0)
 
+    def advice(self) -> dict[str, Any]:
+        """``advice.collect`` on the trace for the target, as ``advise`` lists it beside its
+        plans: ``{"advice": [Advice as dicts], "note": '' or why there is none}``.  Run here
+        because the worker holds the baseline the plans are priced from, and the trace's
+        events (the server keeps its own for the timeline; neither drops them)."""
+        from ..advice import advice_dicts, collect
+
+        try:
+            items = collect(self.trace, self.baseline(), self.hardware)
+        except UserError as exc:  # no complete step: the panel says why
+            return {"advice": [], "note": f"advice unavailable: {exc}"}
+        return {"advice": advice_dicts(items), "note": ""}
+
     def detail(self, plan_spec: str) -> dict[str, Any]:
         from ..simulate import simulate
         from ..simulate.output import simulate_dict

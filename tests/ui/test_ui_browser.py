@@ -62,6 +62,12 @@ def test_dashboard_in_the_browser(ui_model_trace, synthetic_traces):
             page.wait_for_selector("#plan-timeline .main-svg", timeout=15_000)
             assert page.locator("#moment-caption").inner_text().startswith("At the peak:")
             assert page.locator("#comparison .main-svg").count() > 0
+            # the advice panel fills in from the worker: the rows advice_view gives
+            titles = "#advice-table .ag-center-cols-container .ag-cell[col-id=title]"
+            page.wait_for_selector(titles, timeout=15_000)
+            advice_rows = board.advice_view()[0]
+            assert page.locator(titles).count() == len(advice_rows)
+            assert page.locator(titles).first.inner_text().strip() == advice_rows[0]["title"]
             # a click on the timeline answers with the storages alive at that moment
             click_timeline(page)
             sizes = page.locator("#moment-table .ag-center-cols-container "
