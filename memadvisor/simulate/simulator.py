@@ -44,6 +44,7 @@ from .precision import apply_precision, scaler_bytes
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline, build_timeline
 from .sharding import apply_sharding, fsdp_layout, shard_additions
 from .tensor_parallel import apply_tensor_parallel, communication_seconds
+from . import pipeline_parallel
 
 
 @dataclass
@@ -225,8 +226,8 @@ def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
     the plan's layout bounds (``bounds.LayoutBounds``, one per lifetime layout, kept in
     ``bounds_cache``) instead of a replay; None where the bounds cannot express the plan.
     The returned prediction carries no timeline, categories or host bytes."""
-    if plan.tp > 1:
-        return None  # the bounds know nothing of tensor parallelism: replay it
+    if plan.tp > 1 or plan.pp > 1:
+        return None  # the bounds know nothing of tensor or pipeline parallelism: replay it
     regions = _regions(base, plan, cache)
     micro = plan.micro_batch_size(base.batch_size) if base.batch_size else 0
     key = _layout_key(regions, plan, hw)
@@ -283,6 +284,11 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
     hw = hw or hardware(None, base.meta.device)
     timeline, regions, notes, host, micro = transform(base, plan, hw, micro_batch, cache)
     peak = accumulated_peak(timeline, plan.accum, categories)
+    if plan.pp > 1:  # per stage; the worst stage is the plan's peak (pipeline_parallel.py)
+        stages = notes["pipeline_parallel"] = pipeline_parallel.stage_peaks(
+            timeline, plan, base.blocks, base.block_parameter_fraction)
+        worst = stages["stages"][stages["worst_stage"]]
+        peak = type(peak)(stages["peak_bytes"], -1.0, worst["by_category"])
     copies = device_rules(hw.device_type)["collective_copies"]
     if cache is None and plan.shard in FSDP_SHARDS and copies.get("held_until_next"):
         # gloo's worker thread frees what a collective used at once or, scheduled late,
@@ -294,7 +300,9 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
             prompt, plan.accum, False).bytes
     allocated = reserved = None
     oom = False
-    if run_allocator and hw.device_type == "cuda":
+    if run_allocator and hw.device_type == "cuda" and plan.pp > 1:
+        allocated = reserved = peak.bytes  # per stage: the allocator model is not run there
+    elif run_allocator and hw.device_type == "cuda":
         sizes, rows = accumulated_events(timeline, plan.accum)
         result = allocator_model.replay(sizes, rows, hw.memory_bytes, expandable_segments,
                                         allocator_stop_above)
@@ -305,6 +313,9 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
     cost = _cost(base, plan, hw, regions, host.get("activations_peak", 0.0))
     if plan.tp > 1:
         cost = _with_tensor_parallel_time(cost, notes, plan, hw)
+    if plan.pp > 1:
+        cost = pipeline_parallel.with_pipeline_time(
+            cost, notes["pipeline_parallel"], plan, hw.interconnect_bytes_s * LINK_EFFICIENCY)
     return Prediction(plan, peak.bytes, peak.by_category, allocated, reserved, cost, micro,
                       host, notes, regions, timeline, oom)
 

@@ -1,0 +1,176 @@
+"""``pp=P`` per stage, as ``apply`` realises it (``apply/pipeline_parallel.py``).
+
+The repeated blocks (``plan.repeated_blocks``) are cut into P contiguous stages
+(``stage_ranges``, the same split apply makes).  Per stage s, on the one micro-step
+timeline after the batch split (micro-batch B / M):
+
+* model state: the gradients of other stages' blocks are dropped (gradient rows carry their
+  parameter's module); parameter and optimizer-state rows carry no module, so they are
+  scaled by the share of the parameter bytes this rank holds: its blocks plus the layers
+  outside the stack, which apply keeps on every rank (their gradients are summed over the
+  stages, so each rank holds them and their optimizer state too);
+* activations and temporaries: those made inside this stage's blocks; those made outside
+  the stack before the blocks (embeddings) on the first stage only, after them (final norm,
+  head, loss) on the last stage only;
+* in-flight micro-batches: the saved activations of this stage (alive where forward turns
+  into backward) held for ``in_flight`` micro-batches -- GPipe: M on every stage; 1F1B:
+  min(M, P - s), so stage 0 holds the most -- the peak of one micro-step plus
+  (in_flight - 1) more of them;
+* P2P buffers: a stage after the first keeps each in-flight micro-batch's received input
+  (the stream entering its first block) for its backward, and gets one input-gradient buffer
+  of the same size; a stage before the last receives one output gradient.
+
+Step time: the bubble (P - 1) / (M + P - 1) of the pipelined step is idle on every rank.
+
+Pure numpy over the timeline (no torch).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import Plan, PlanError
+from ..trace import schema
+from .accumulation import accumulated_peak
+from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
+
+_FORWARD, _BACKWARD = PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD]
+_GRADIENT, _PARAMETER = CATEGORY_CODE[schema.GRADIENT], CATEGORY_CODE[schema.PARAMETER]
+_STATE = CATEGORY_CODE[schema.OPTIMIZER_STATE]
+_ACTIVATION = CATEGORY_CODE[schema.ACTIVATION]
+
+
+def stage_ranges(num_blocks: int, num_stages: int) -> list[range]:
+    """Contiguous, balanced block ranges per stage, the first stages taking the extra blocks
+    (apply's ``pipeline_parallel.stage_ranges``, repeated here: simulate imports no torch)."""
+    if num_blocks < num_stages:
+        raise PlanError(f"pp={num_stages} needs at least {num_stages} repeated blocks to give "
+                        f"each stage one; the model has {num_blocks}")
+    base, extra = divmod(num_blocks, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        size = base + (stage < extra)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def in_flight_micro_batches(plan: Plan, stage: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under the schedule."""
+    m = plan.pipeline_microbatches
+    return m if plan.schedule == "gpipe" else min(m, plan.pp - stage)
+
+
+def bubble_fraction(plan: Plan) -> float:
+    """Share of the pipelined step every rank idles: (P - 1) / (M + P - 1)."""
+    if plan.pp <= 1:
+        return 0.0
+    return (plan.pp - 1) / (plan.pipeline_microbatches + plan.pp - 1)
+
+
+def _block_of_rows(timeline: Timeline, blocks: list[str]) -> np.ndarray:
+    """Per row: the index of the block its module is in, -1 outside the stack."""
+    per_module = np.full(len(timeline.modules), -1, dtype=np.int64)
+    for code, path in enumerate(timeline.modules):
+        for index, block in enumerate(blocks):
+            if path == block or path.startswith(block + "."):
+                per_module[code] = index
+                break
+    return per_module[timeline.module] if len(timeline) else np.zeros(0, np.int64)
+
+
+def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
+                block_parameter_fraction: dict[str, float]) -> dict:
+    """Per stage: peak bytes and the terms it is made of; the worst stage first in
+    ``worst_stage``."""
+    if not blocks:
+        raise PlanError(f"pp={plan.pp} found no repeated blocks (a ModuleList or Sequential "
+                        "of same-class modules) in the trace's module tree to cut into stages")
+    ranges = stage_ranges(len(blocks), plan.pp)
+    block = _block_of_rows(timeline, blocks)
+    outside = block < 0
+    forward = timeline.phase == _FORWARD
+    backward = timeline.phase == _BACKWARD
+    in_blocks_forward = forward & ~outside
+    first_block_key = (timeline.alloc_key[in_blocks_forward].min()
+                       if in_blocks_forward.any() else 0.0)
+    in_blocks_backward = backward & ~outside
+    last_backward_key = (timeline.alloc_key[in_blocks_backward].max()
+                         if in_blocks_backward.any() else np.inf)
+    # outside the stack: made before the blocks' forward or after their backward (embedding
+    # and its gradient) -> first stage; between (final norm, head, loss, their backward)
+    # -> last stage.  Rows of other phases (optimizer, before the step) stay everywhere.
+    activity = forward | backward
+    pre = outside & activity & ((timeline.alloc_key < first_block_key)
+                                | (timeline.alloc_key > last_backward_key))
+    post = outside & activity & ~pre
+    backward_start = (timeline.alloc_key[backward].min() if backward.any()
+                      else float(timeline.n_events))
+    block_share = [float(block_parameter_fraction.get(b, 0.0)) for b in blocks]
+    outside_share = max(1.0 - sum(block_share), 0.0)
+    stream_bytes = _stream_bytes(timeline, block)
+
+    stages = []
+    for stage, owned in enumerate(ranges):
+        mine = np.isin(block, list(owned))
+        keep = mine | (outside & ~pre & ~post)
+        if stage == 0:
+            keep |= pre
+        if stage == plan.pp - 1:
+            keep |= post
+        state_rows = (timeline.category == _PARAMETER) | (timeline.category == _STATE)
+        keep |= state_rows  # scaled below: no module on these rows
+        keep &= ~((timeline.category == _GRADIENT) & ~outside & ~mine)
+        held = outside_share + sum(block_share[i] for i in owned)
+        sizes = np.where(keep, timeline.size, 0.0)
+        sizes = np.where(state_rows, timeline.size * held, sizes)
+        local = timeline.resized(sizes)
+        # the first backward, with the other in-flight micro-batches' saved activations
+        # beside it and no gradients of this stage yet; or a later backward, gradients
+        # accumulated over M micro-steps (the last stage of 1F1B: F B F B ..., one in flight)
+        one = local.peak()
+        accumulated = accumulated_peak(local, plan.pipeline_microbatches)
+        saved = float(sizes[forward & (timeline.free_key > backward_start)
+                            & (timeline.category == _ACTIVATION)].sum())
+        flights = in_flight_micro_batches(plan, stage)
+        receive = stream_bytes * (flights + 1) if stage > 0 else 0.0
+        send_grad = stream_bytes if stage < plan.pp - 1 else 0.0
+        peak = max(one.bytes + (flights - 1) * saved, accumulated.bytes) + receive + send_grad
+        stages.append({"stage": stage, "blocks": [owned.start, owned.stop - 1],
+                       "peak_bytes": int(round(peak)), "one_micro_batch_bytes": one.bytes,
+                       "saved_activation_bytes": int(round(saved)),
+                       "in_flight_micro_batches": flights,
+                       "p2p_buffer_bytes": int(round(receive + send_grad)),
+                       "parameter_share": held, "by_category": one.by_category})
+    worst = max(stages, key=lambda s: s["peak_bytes"])
+    return {"stages": stages, "worst_stage": worst["stage"], "peak_bytes": worst["peak_bytes"],
+            "schedule": plan.schedule, "microbatches": plan.pipeline_microbatches,
+            "bubble_fraction": bubble_fraction(plan), "stream_bytes": int(round(stream_bytes))}
+
+
+def _stream_bytes(timeline: Timeline, block: np.ndarray) -> float:
+    """Bytes of the stream one stage hands the next (per micro-batch): the last storage the
+    first block makes in forward (its output, the residual sum)."""
+    rows = np.flatnonzero((timeline.phase == _FORWARD) & (block == 0))
+    if not len(rows):
+        return 0.0
+    return float(timeline.size[rows[np.argmax(timeline.alloc_key[rows])]])
+
+
+def with_pipeline_time(cost, stages: dict, plan: Plan, link_bytes_s: float):
+    """The pipelined step: the cost model already splits the work over the world's P ranks
+    (each stage 1/P of it, assumed even); the bubble stretches that by (M + P - 1) / M, and
+    the stream sent forward and its gradient sent back per micro-batch come on top,
+    unhidden."""
+    from .cost import Cost  # the cost model's result type (pure Python)
+
+    bubble = stages["bubble_fraction"]
+    compute_s = cost.step_time_s / (1.0 - bubble)
+    p2p_bytes = 2.0 * stages["stream_bytes"] * plan.pipeline_microbatches
+    p2p_s = p2p_bytes / link_bytes_s if link_bytes_s > 0 else 0.0
+    terms = cost.terms + [
+        (f"pp={plan.pp}: each rank idle for the bubble (P-1)/(M+P-1) = {bubble:.0%} of the "
+         f"step ({plan.schedule}, M={plan.pipeline_microbatches})",
+         compute_s - cost.step_time_s),
+        (f"pp={plan.pp}: {p2p_bytes:,.0f} B/step of activations and their gradients between "
+         "stages, unhidden", p2p_s)]
+    return Cost(cost.baseline_step_s, compute_s + p2p_s, terms, cost.assumptions)
