@@ -229,6 +229,10 @@ class PipelineModel(nn.Module):
                                        loss_fn=_identity_loss, scale_grads=True)
 
     def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            raise PlanError(f"pp={self.num_stages}: the pipelined model was called without "
+                            "gradients (an evaluation under torch.no_grad): only training "
+                            "steps run through the pipeline in this increment")
         batch = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
                       and a.dim() > 0), None)
         if batch is None:

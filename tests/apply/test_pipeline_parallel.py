@@ -135,6 +135,13 @@ def test_argument_without_the_batch_dimension_is_refused():
         stage(torch.randint(16, (4, 5)), torch.randint(16, (5,)))
 
 
+def test_an_evaluation_call_without_gradients_is_refused():
+    stage, _ = _stage(Model(), rank=0)
+    idx = torch.randint(16, (4, 5))
+    with torch.no_grad(), pytest.raises(PlanError, match="without gradients"):
+        stage(idx, idx)
+
+
 # --- runs on two ranks ----------------------------------------------------------------------
 #: A pipeline sums each parameter's gradient over M micro-batches (scaled by 1/M), and the
 #: layers outside the stack add two stages' gradients with gloo: the same math as the
