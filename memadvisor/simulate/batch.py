@@ -99,10 +99,12 @@ def _after_prefix(shapes: np.ndarray, prefixes: set[tuple[int, ...]], size: int)
 
 
 def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[str],
-                       probes: dict | None = None) -> Timeline:
+                       probes: dict | None = None,
+                       module_types: dict[str, str] | None = None) -> Timeline:
     """Return ``timeline`` with ``scales_with_batch`` set by the rule in the module doc;
     a convolution's raw blocks as its probe at half the batch showed them (``probes``:
-    ``meta.probes``)."""
+    ``meta.probes``); a recurrent module's rows over a packed sequence (``module_types``:
+    path -> class name, ``meta.modules``)."""
     size = int(batch.get("batch_size") or 0)
     flags = np.zeros(len(timeline), bool)
     if size > 0:
@@ -138,9 +140,38 @@ def mark_batch_scaling(timeline: Timeline, batch: dict, parameter_shapes: set[st
         # tensor's size, or match one by chance and not follow it
         rows, follows = conv_blocks_following_batch(timeline, probes or {})
         flags[rows] = follows & scaling_rows[rows]
+        flags |= _packed_rows(timeline, module_types or {}, is_param_shape[inverse]) \
+            & scaling_rows & ~resized
     out = timeline.resized(timeline.size)
     out.scales_with_batch = flags
     return out
+
+
+_PACK_OP = "aten::_pack_padded_sequence"
+#: torch's recurrent modules: over a packed sequence they work one time step at a time on
+#: the sequences still running (``batch_sizes[t]`` of them)
+_RECURRENT_TYPES = frozenset({"RNN", "LSTM", "GRU"})
+
+
+def _packed_rows(timeline: Timeline, module_types: dict[str, str],
+                 parameter_shaped: np.ndarray) -> np.ndarray:
+    """Rows that scale with the batch over a packed sequence (``pack_padded_sequence``):
+    the packed data the pack made ((tokens, F): the batch's summed lengths) and what a
+    recurrent module computes from it, one time step at a time over the ``batch_sizes[t]``
+    sequences still running (a (7, 96) gate product at a step where 7 of 8 run): no
+    dimension is the batch size, yet the step's total is the micro-batch's tokens.  Taken
+    in proportion to the micro-batch (the tokens per micro-batch follow its sequences'
+    lengths: in expectation); the weight-shaped partial gradients of backward stay."""
+    out = np.zeros(len(timeline), bool)
+    if _PACK_OP not in timeline.ops:
+        return out
+    forward = timeline.phase == PHASE_CODE[schema.FORWARD]
+    floating = timeline.dtype_in(("float32", "float64", "float16", "bfloat16"))
+    packed = timeline.op_in((_PACK_OP,)) & forward & floating
+    recurrent = np.array([module_types.get(name, "") in _RECURRENT_TYPES
+                          for name in timeline.modules] or [False], bool)
+    out |= packed | (recurrent[timeline.module] & ~parameter_shaped)
+    return out & ~timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
 
 
 #: ops whose output's extent is a count of the data's values (``torch.where(mask)``)

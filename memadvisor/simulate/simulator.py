@@ -78,7 +78,8 @@ def prepare(trace: Trace) -> Baseline:
                         f"its last complete step ({meta.steps_completed - 1})")
     timeline = build_timeline(trace)
     timeline = mark_batch_scaling(timeline, meta.batch or {}, parameter_shapes(timeline),
-                                  meta.probes or {})
+                                  meta.probes or {},
+                                  {m.get("path", ""): m.get("type", "") for m in meta.modules or ()})
     if (timeline.op_in((RESIZE_OP,)) & (timeline.size > 0)).any():
         warnings.append("the trace resizes storages in place (FSDP's gathered parameters): "
                         "plans are predicted from the step as recorded, those storages "
