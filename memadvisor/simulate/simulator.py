@@ -77,9 +77,9 @@ def prepare(trace: Trace) -> Baseline:
         warnings.append(f"the profiled run ended with status {meta.status}; predictions use "
                         f"its last complete step ({meta.steps_completed - 1})")
     timeline = build_timeline(trace)
+    module_types = {m.get("path", ""): m.get("type", "") for m in meta.modules or ()}
     timeline = mark_batch_scaling(timeline, meta.batch or {}, parameter_shapes(timeline),
-                                  meta.probes or {},
-                                  {m.get("path", ""): m.get("type", "") for m in meta.modules or ()})
+                                  meta.probes or {}, module_types)
     if (timeline.op_in((RESIZE_OP,)) & (timeline.size > 0)).any():
         warnings.append("the trace resizes storages in place (FSDP's gathered parameters): "
                         "plans are predicted from the step as recorded, those storages "
