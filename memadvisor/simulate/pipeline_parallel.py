@@ -14,8 +14,10 @@ timeline after the batch split (micro-batch B / M):
   head, loss) on the last stage only;
 * in-flight micro-batches: the saved activations of this stage (alive where forward turns
   into backward) held for ``in_flight`` micro-batches -- GPipe: M on every stage; 1F1B:
-  min(M, P - s), so stage 0 holds the most -- the peak of one micro-step plus
-  (in_flight - 1) more of them;
+  min(M, P - s), so stage 0 holds the most.  The peak is the larger of the first backward
+  (one micro-step's peak, no gradients of this stage yet, in_flight - 1 others stashed)
+  and a later one (M micro-steps' accumulated peak, gradients present, with in_flight - 1
+  others stashed in 1F1B's steady state when M > in_flight, else in_flight - 2);
 * P2P buffers: a stage after the first keeps each in-flight micro-batch's received input
   (the stream entering its first block) for its backward, and gets one input-gradient buffer
   of the same size; a stage before the last receives one output gradient.
@@ -134,7 +136,13 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         flights = in_flight_micro_batches(plan, stage)
         receive = stream_bytes * (flights + 1) if stage > 0 else 0.0
         send_grad = stream_bytes if stage < plan.pp - 1 else 0.0
-        peak = max(one.bytes + (flights - 1) * saved, accumulated.bytes) + receive + send_grad
+        # other micro-batches stashed during a backward that finds this stage's gradients
+        # already there: 1F1B's steady state keeps all ``flights`` in flight while forwards
+        # remain (M > flights); its cool-down, and GPipe's second backward, one fewer
+        steady = flights - 1 if (plan.schedule == "1f1b" and plan.pipeline_microbatches
+                                 > flights) else max(flights - 2, 0)
+        peak = max(one.bytes + (flights - 1) * saved,
+                   accumulated.bytes + steady * saved) + receive + send_grad
         stages.append({"stage": stage, "blocks": [owned.start, owned.stop - 1],
                        "peak_bytes": int(round(peak)), "one_micro_batch_bytes": one.bytes,
                        "saved_activation_bytes": int(round(saved)),
