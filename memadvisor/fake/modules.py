@@ -11,6 +11,19 @@ rely on that.  The replacement below keeps that contract:
   fake device follows (what ``param.data = moved`` does on a real build);
 * a real parameter (a module built before fake execution began) cannot hold fake data,
   so it is replaced by a new Parameter -- once per parameter, so tied weights stay tied.
+
+``tensor.data = moved`` itself (FSDP2's ``fully_shard`` moves the parameters it manages
+so, and so do scripts) sets a fake tensor's data but not its device: a FakeTensor answers
+``.device`` from its own ``fake_device``, which the C++ setter does not know of, so the
+parameter stayed 'cpu' after a move to 'cuda' (``fully_shard`` then refused it: "Expects
+the parameter to already be moved to device cuda:1 but got cpu").  ``FakeTensor.data``'s
+setter below makes the device follow the data, as on a real build.
+
+A Parameter made inside fake execution is fake, whatever it is made from: a small
+``torch.ones(dim)`` (a norm's weight, a bias) runs for real on the CPU (``real_cpu.py``),
+and a real parameter cannot take fake data (``param.data = moved`` would leave it a
+'meta' tensor, which ``fully_shard`` refuses as never materialised).  Model state is
+what the GPU holds; data-pipeline values, which must stay real, are no parameters.
 """
 from __future__ import annotations
 
@@ -81,7 +94,37 @@ def fake_apply(self: torch.nn.Module, fn, recurse: bool = True):
             _state.converted = None
 
 
-def install() -> Patches:
+_tensor_data = torch._C.TensorBase.data
+
+
+def _get_data(self):
+    return _tensor_data.__get__(self, type(self))
+
+
+def _set_data(self, value):
+    _tensor_data.__set__(self, value)
+    if isinstance(value, FakeTensor):
+        self.fake_device = value.fake_device
+
+
+def _fake_parameters(mode, original_new):
+    def __new__(cls, data=None, requires_grad=True):
+        # a plain real tensor only: a DTensor (FSDP2 wraps its all-gathered shard in
+        # one) holds fake data already, and converting it would copy that data
+        if (type(data) in (torch.Tensor, torch.nn.Parameter)
+                and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+                is mode):
+            data = mode.from_tensor(data)
+        return original_new(cls, data, requires_grad)
+    return __new__
+
+
+def install(mode=None) -> Patches:
+    """``mode``: the fake mode Parameters made under it are converted to (None: not)."""
     patches = Patches()
     patches.set(torch.nn.Module, "_apply", fake_apply)
+    patches.set(FakeTensor, "data", property(_get_data, _set_data))
+    if mode is not None:
+        patches.set(torch.nn.Parameter, "__new__",
+                    staticmethod(_fake_parameters(mode, torch.nn.Parameter.__new__)))
     return patches

@@ -211,7 +211,7 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
             undo.append(sdpa.install(profile.capability))
             undo.append(cudnn_rnn.install(profile.multi_processor_count))  # RNNs: cuDNN
             undo.append(fused_kernels.install())
-        undo.append(modules.install())
+        undo.append(modules.install(run.mode))
         undo.append(initializers.install())
         undo.append(_track_storage_resizes(run.live_bytes))
         undo.append(_real_data_workers())

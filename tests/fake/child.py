@@ -7,6 +7,9 @@ folder run it in a subprocess and assert on the figures.  Cases:
             the probes below (placeholders, lifetimes, module moves, refusal)
     fsdp    FSDP2 fully_shard over 2 fake ranks, one step, as rank 1
     late    torch imported before fake_execution: the refusal's message
+    tp_zero3  benchmarks/fake_llama8b.py's step at a tiny Llama shape as rank 1 of
+            tp=2,shard=zero3,world=4 (apply's tp and FSDP2 realisation), plus the
+            parameter moves it needed (``param.data = moved``, small Parameters)
 """
 from __future__ import annotations
 
@@ -259,6 +262,34 @@ def case_late() -> dict:
     return {"refused": None}
 
 
+TINY_LLAMA = dict(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128)
+
+
+def case_tp_zero3() -> dict:
+    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+    import fake_llama8b
+    out = fake_llama8b.run_steps(plan_text="tp=2,shard=zero3,world=4", rank=1, seq=16,
+                                 steps=2, shape=TINY_LLAMA)
+    out.update(_probe_parameter_moves())
+    return out
+
+
+def _probe_parameter_moves() -> dict:
+    """A small Parameter made under fake execution (its ``torch.ones`` alone would run for
+    real on the CPU) is fake; ``tensor.data = tensor.to('cuda')`` moves its device too."""
+    from memadvisor.fake.runtime import fake_execution
+    with fake_execution(gpu="h100-80gb") as run:
+        import torch
+        from torch._subclasses.fake_tensor import is_fake
+        weight = torch.nn.Parameter(torch.ones(8))
+        ones_is_real = not is_fake(torch.ones(8))
+        weight.data = weight.to("cuda")
+        moved = [str(weight.device), is_fake(weight), run.live_bytes.allocated_bytes(0)]
+    return {"small_parameter_ones_real": ones_is_real, "small_parameter_moved": moved,
+            "data_property_restored": "data" not in torch._subclasses.fake_tensor.FakeTensor.__dict__}
+
+
 if __name__ == "__main__":
-    result = {"train": case_train, "fsdp": case_fsdp, "late": case_late}[sys.argv[1]]()
+    result = {"train": case_train, "fsdp": case_fsdp, "late": case_late,
+              "tp_zero3": case_tp_zero3}[sys.argv[1]]()
     print(json.dumps(result))
