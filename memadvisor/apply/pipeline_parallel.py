@@ -29,6 +29,7 @@ refused on the first batch, on every rank alike, as is a model whose output hold
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -132,7 +133,9 @@ class PipelineModel(nn.Module):
         self.stage = None
         self.position = None
         self.dry_run = False
-        self.outputs: dict[int, object] = {}  #: block index -> its output this forward
+        #: block index -> a weak reference to its output in this forward (for the check that
+        #: the next block takes it; weak so it keeps no activation alive)
+        self.outputs: dict[int, weakref.ref] = {}
         modules = dict(module.named_modules())
         self.replicated = [p for name, p in module.named_parameters()
                            if not any(name.startswith(b + ".") for b in blocks)]
@@ -153,7 +156,8 @@ class PipelineModel(nn.Module):
                 raise PlanError(f"pp={self.num_stages}: block {self.block_paths[index]} is not "
                                 "called with the stream tensor as its first positional "
                                 "argument, so stages cannot hand it on")
-            if index > 0 and args[0] is not self.outputs.get(index - 1):
+            previous = self.outputs.get(index - 1)
+            if index > 0 and (previous is None or args[0] is not previous()):
                 raise PlanError(
                     f"pp={self.num_stages}: the model's forward does more than embed -> blocks "
                     f"-> head: block {self.block_paths[index]}'s input is not block "
@@ -171,7 +175,7 @@ class PipelineModel(nn.Module):
                 raise PlanError(f"pp={self.num_stages}: block {self.block_paths[index]} returns "
                                 f"{type(output).__name__}, not one tensor to send to the next "
                                 "stage")
-            self.outputs[index] = output
+            self.outputs[index] = weakref.ref(output)
             if (index == self.owned.stop - 1 and self.stage_index < self.num_stages - 1
                     and not self.dry_run):
                 self.outputs.clear()
