@@ -40,6 +40,9 @@ def _reducers(plan: Plan, category: str, micro: int, batch: int
         least = 0.0 if category == schema.GRADIENT else 1 / group
         out.append((f"{plan.shard} over {group} ranks", least, plan.shard != "zero1"
                     and category != schema.GRADIENT))
+    if plan.tp > 1 and category in MODEL_STATES + (schema.ACTIVATION, schema.TEMPORARY):
+        # only the split blocks' Linears (and what flows inside those blocks) shrink
+        out.append((f"tp={plan.tp} splits the attention and MLP blocks", 1 / plan.tp, False))
     if plan.precision == "bf16" and category not in (schema.INPUT, schema.AUTOCAST_WEIGHT):
         out.append(("bf16 storage", 0.5, category in MODEL_STATES + (schema.BUFFER,)))
     elif plan.precision.startswith("amp-") and category in BATCH_SCALED:
@@ -79,6 +82,8 @@ def _adders(plan: Plan, category: str) -> tuple[list[str], list[str]]:
     if category == schema.AUTOCAST_WEIGHT and plan.precision.startswith("amp-"):
         out.append(f"autocast's 16-bit copies of the weights ({plan.precision})")
     if category == schema.TEMPORARY:
+        if plan.tp > 1:
+            out.append(f"tp={plan.tp}'s all-reduced copy of each partial sum")
         if fsdp:
             out.append("unsharded gradients until their reduce-scatter")
         if plan.optimizer in ("adafactor", "adam8bit"):
@@ -311,7 +316,21 @@ def changes(plan: Plan) -> list[str]:
         out.append("checkpointed modules run forward twice (dropout masks replayed from the "
                    "saved RNG state)")
     if plan.world > 1:
-        out.append(f"{plan.world} ranks ({plan.shard}{', hybrid groups of ' + str(plan.hybrid) if plan.hybrid else ''})")
+        out.append(_ranks(plan))
     if plan.offload:
         out.append("offload " + "+".join(sorted(plan.offload)) + " to host memory")
     return out or ["nothing: the unmodified script"]
+
+
+def _ranks(plan: Plan) -> str:
+    """'8 ranks (zero3)'; with ``tp``: how the ranks split the model and the batch."""
+    hybrid = f", hybrid groups of {plan.hybrid}" if plan.hybrid else ""
+    if plan.tp < 2:
+        return f"{plan.world} ranks ({plan.shard}{hybrid})"
+    split = (f"tensor parallel over {plan.tp} (attention and MLP blocks split"
+             f"{', sequence parallel' if plan.sp else ''})")
+    groups = plan.data_parallel_size
+    if groups < 2:
+        return f"{plan.world} ranks ({split}; every rank sees the whole batch)"
+    return (f"{plan.world} ranks: {groups} data-parallel groups ({plan.shard} over "
+            f"{plan.shard_group_size} ranks), each {split}")

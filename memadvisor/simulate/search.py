@@ -10,13 +10,14 @@ reserved (or, without an allocator, peak) bytes are at most ``budget * (1 - marg
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..plan import Environment, Plan, PlanError, environment_problems
+from ..plan import Environment, Plan, PlanError, environment_problems, tensor_parallel_blocks
 from ..units import format_bytes
 from .hardware import Hardware
 from .simulator import (Baseline, Prediction, layout_cache_keys, layout_key, max_micro_batch,
@@ -43,12 +44,17 @@ def _divisors_upto(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def candidate_plans(base: Baseline, gpus: int, allow: set[str], hw: Hardware) -> list[Plan]:
+def _precisions(allow: set[str], hw: Hardware) -> list[str]:
     precisions = ["fp32", "amp-bf16"]
     if hw.device_type == "cuda":
         precisions.append("amp-fp16")
     if "bf16" in allow:
         precisions.append("bf16")
+    return precisions
+
+
+def candidate_plans(base: Baseline, gpus: int, allow: set[str], hw: Hardware) -> list[Plan]:
+    precisions = _precisions(allow, hw)
     optimizers = ["keep"] + (["sgd", "sgd-momentum", "adafactor", "adam8bit"]
                              if "optimizer" in allow else [])
     checkpoints = ["none", "auto"] if base.blocks else ["none"]
@@ -80,6 +86,160 @@ def candidate_plans(base: Baseline, gpus: int, allow: set[str], hw: Hardware) ->
     return out
 
 
+#: tensor-parallel degrees ``advise`` tries (those dividing the GPUs)
+TP_DEGREES = (2, 4, 8)
+#: tensor-parallel plans replayed exactly per degree (the bounds cannot express them)
+TP_EXACT = 2
+
+
+def tensor_parallel_candidates(base: Baseline, gpus: int, allow: set[str], hw: Hardware
+                               ) -> list[tuple[Plan, Plan]]:
+    """(tp plan, its twin) for every tp plan ``advise`` could propose: ``tp=T,world=T`` when
+    the GPUs are T, else ``tp=T,shard=zero3,world=GPUs`` (FSDP over GPUs/T groups), for T
+    in ``TP_DEGREES`` dividing the GPUs, crossed with precision, checkpoint, accumulation
+    and the optimizers tp runs with.  The twin: the same plan without tp on GPUs/T ranks --
+    the same micro-batch and the same ZeRO group, what tp then splits.  Empty when the
+    model has no block tp splits (``plan.tensor_parallel_blocks``, as apply and simulate)."""
+    blocks = tensor_parallel_blocks(base.meta.modules)
+    if gpus < 2 or not (blocks.attention or blocks.mlp):
+        return []
+    batch = base.batch_size or 1
+    optimizers = ["keep"] + (["sgd", "sgd-momentum"] if "optimizer" in allow else [])
+    checkpoints = ["none", "auto"] if base.blocks else ["none"]
+    out = []
+    for tp in TP_DEGREES:
+        groups = gpus // tp
+        if tp > gpus or gpus % tp or batch % groups:
+            continue
+        shard = "zero3" if groups > 1 else "none"
+        for precision, checkpoint, accum, optimizer in itertools.product(
+                _precisions(allow, hw), checkpoints, _divisors_upto(batch // groups, 64),
+                optimizers):
+            knobs = dict(precision=precision, checkpoint=checkpoint, accum=accum, shard=shard,
+                         optimizer=optimizer)
+            try:
+                out.append((Plan(**knobs, world=gpus, tp=tp), Plan(**knobs, world=groups)))
+            except PlanError:
+                continue
+    return out
+
+
+class TwinStages:
+    """A ``fast_pass`` watcher that keeps the model-stage timelines (steps 0-2 and 0-3) of
+    the twins ``add_tensor_parallel`` will pick -- per degree, the best twin so far under
+    the objective and the leanest so far -- so that their tp plans, which share the twin's
+    layout, are replayed without making those timelines again (the precision and
+    checkpoint rewrites are most of a replay's time).  At most two per degree are held
+    beyond the layout being priced; a guess that turns out wrong only costs that time."""
+
+    def __init__(self, plans: list[Plan], outcomes: list, pairs: list[tuple[Plan, Plan]],
+                 key):
+        twins: dict[str, set[int]] = {}
+        for plan, twin in pairs:
+            twins.setdefault(twin.to_compact(), set()).add(plan.tp)
+        worlds = {twin.world for _, twin in pairs}
+        self.degrees = {index: twins[plan.to_compact()] for index, plan in enumerate(plans)
+                        if plan.world in worlds and plan.hybrid is None and not plan.offload
+                        and plan.to_compact() in twins}
+        self.pairs, self.outcomes, self.key = pairs, outcomes, key
+        self.best: dict[tuple, tuple] = {}  #: (degree, role) -> (rank, entries)
+        self.held: dict[tuple, object] = {}  #: cache entry -> its timeline
+
+    def __call__(self, indices: list[int], entries: tuple, cache: dict) -> None:
+        changed = False
+        for index in indices:
+            degrees = self.degrees.get(index)
+            outcome = self.outcomes[index] if degrees else None
+            if outcome is None or isinstance(outcome, tuple):
+                continue
+            ranks = {"best": (self.key(outcome),), "leanest": (outcome.peak_bytes,)}
+            for degree in degrees:
+                for role, rank in ranks.items():
+                    known = self.best.get((degree, role))
+                    if known is None or rank < known[0]:
+                        self.best[(degree, role)] = (rank, entries[:2])
+                        changed = True
+        if changed:
+            wanted = {entry for _, kept in self.best.values() for entry in kept}
+            for entry in wanted:
+                if entry not in self.held and entry in cache:
+                    self.held[entry] = cache[entry]
+            for entry in list(self.held):
+                if entry not in wanted:
+                    del self.held[entry]
+
+    def restore(self, cache: dict, entries: tuple) -> None:
+        """Put the held timelines among ``entries`` (a plan's ``layout_cache_keys``) back in
+        ``cache``, as that plan is replayed (``_in_layout_order`` drops them after it)."""
+        for entry in entries:
+            if entry in self.held:
+                cache.setdefault(entry, self.held[entry])
+
+
+def twin_stages(base: Baseline, hw: Hardware, gpus: int, allow: set[str], objective: str,
+                plans: list[Plan], outcomes: list) -> "TwinStages | None":
+    """The ``fast_pass`` watcher for ``add_tensor_parallel``'s picks; None without tp plans."""
+    pairs = tensor_parallel_candidates(base, gpus, allow, hw)
+    if not pairs:
+        return None
+    return TwinStages(plans, outcomes, pairs, rank_key(objective))
+
+
+def add_tensor_parallel(base: Baseline, hw: Hardware, gpus: int, allow: set[str],
+                        objective: str, plans: list[Plan], outcomes: list, cache: dict,
+                        stage_keys: set, keep=None, held: TwinStages | None = None
+                        ) -> list[Plan]:
+    """Append to ``plans`` and ``outcomes`` the tensor-parallel plans worth replaying, with
+    their exact predictions (``simulate`` without the allocator model; the layout bounds
+    know nothing of tp).  Per degree T at most ``TP_EXACT`` of them, chosen from their
+    twins' fast-pass figures (``outcomes`` of the plans without tp) and no budget: the
+    twins' Pareto front of ``objective`` against peak bytes -- its best plan, its leanest
+    and evenly between -- so any budget finds the tp plan its twins say fits best.  A tp
+    plan whose twin is not a candidate (GPUs/T not a candidate world) is not tried."""
+    pairs = held.pairs if held is not None else tensor_parallel_candidates(base, gpus, allow, hw)
+    if not pairs:
+        return []
+    worlds = {twin.world for _, twin in pairs}
+    priced = {plan.to_compact(): outcome for plan, outcome in zip(plans, outcomes)
+              if plan.world in worlds and plan.hybrid is None and not plan.offload
+              and outcome is not None and not isinstance(outcome, tuple)}
+    key = rank_key(objective)
+    env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
+                      fp16_supported=hw.fp16, bitsandbytes_available=True)
+    by_degree: dict[int, list] = {}
+    for plan, twin in pairs:
+        figures = priced.get(twin.to_compact())
+        if figures is not None and not environment_problems(plan, env):
+            by_degree.setdefault(plan.tp, []).append((plan, figures))
+    chosen: list[Plan] = []
+    for tp, entries in sorted(by_degree.items()):
+        entries.sort(key=lambda entry: key(entry[1]))
+        front = []
+        for entry in entries:
+            if not front or entry[1].peak_bytes < front[-1][1].peak_bytes:
+                front.append(entry)
+        last = len(front) - 1
+        picks = sorted({round(i * last / max(TP_EXACT - 1, 1)) for i in range(TP_EXACT)})
+        chosen += [front[i][0] for i in picks]
+
+    def exact(plan: Plan):
+        if held is not None:
+            held.restore(cache, layout_cache_keys(base, plan, hw, cache))
+        try:
+            prediction = dataclasses.replace(
+                simulate(base, plan, hw, run_allocator=False, cache=cache, categories=False),
+                timeline=None)
+            return keep(prediction) if keep else prediction
+        except PlanError as exc:
+            return (plan, str(exc))
+
+    plans.extend(chosen)
+    outcomes.extend(_in_layout_order(base, hw, chosen, cache, stage_keys, exact))
+    if held is not None:
+        held.held.clear()
+    return chosen
+
+
 #: what "best" means: ``cost`` GPU-time per step (step time x GPUs: a second GPU that
 #: halves the step costs the same, and communication makes it cost more), ``speed`` wall
 #: time per step (GPUs are free), ``memory`` the smallest peak
@@ -89,15 +249,22 @@ OBJECTIVES = ("cost", "speed", "memory")
 def rank_key(objective: str):
     """The sort key of a prediction under ``objective``; ties go to the plan with fewer
     techniques, then the smaller peak."""
+    # the step-time factor as ``output`` reports it (4 digits), rounded to 3: the order is
+    # that of the figures shown (rounding the raw factor once, a tp plan's 0.25249 ranked
+    # as 0.252 but showed as 0.2525 -> x0.253, after a 0.2524)
     if objective == "speed":
-        return lambda p: (round(p.step_time_factor, 3), _complexity(p.plan), p.peak_bytes)
+        return lambda p: (round(_shown(p), 3), _complexity(p.plan), p.peak_bytes)
     if objective == "memory":
-        return lambda p: (p.reserved_bytes or p.peak_bytes, round(p.step_time_factor, 3),
+        return lambda p: (p.reserved_bytes or p.peak_bytes, round(_shown(p), 3),
                           _complexity(p.plan))
     if objective == "cost":
-        return lambda p: (round(p.step_time_factor * p.plan.world, 3), _complexity(p.plan),
+        return lambda p: (round(_shown(p) * p.plan.world, 3), _complexity(p.plan),
                           p.peak_bytes)
     raise UserError(f"--objective takes {', '.join(OBJECTIVES)}; got {objective!r}")
+
+
+def _shown(prediction: Prediction) -> float:
+    return round(prediction.step_time_factor, 4)
 
 
 def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
@@ -118,8 +285,12 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
     outcomes, by_layout = group_by_layout(base, hw, plans, cache)
-    stage_keys = fast_pass(base, hw, plans, by_layout, cache, outcomes)
+    watch = twin_stages(base, hw, gpus, allow, objective, plans, outcomes)
+    stage_keys = fast_pass(base, hw, plans, by_layout, cache, outcomes, watch=watch)
     cpu_seconds = {"fast pass": time.process_time() - started}
+    add_tensor_parallel(base, hw, gpus, allow, objective, plans, outcomes, cache, stage_keys,
+                        held=watch)
+    cpu_seconds["tensor parallel"] = time.process_time() - started - cpu_seconds["fast pass"]
     for outcome in outcomes:  # in candidate order, as ties in the ranking are broken
         if isinstance(outcome, tuple):
             rejected.append(outcome)
@@ -149,7 +320,10 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     bounds = _LastLayout()  # the plans run in layout order: one layout's bounds at a time
     sizes = _in_layout_order(base, hw, [p.plan for p in ranked[:3]], cache, stage_keys,
                              lambda plan: max_micro_batch(
-                                 base, plan, hw, usable, cache=cache, bounds_cache=bounds,
+                                 base, plan, hw, usable, cache=cache,
+                                 # the bounds know nothing of tp: their layout key does not
+                                 # hold it, so a tp plan would get its twin's bounds
+                                 bounds_cache=None if plan.tp > 1 else bounds,
                                  expandable_segments=expandable_segments))
     best = {p.plan.to_compact(): size for p, size in zip(ranked[:3], sizes)}
     cpu_seconds["micro-batch"] = time.process_time() - started - sum(cpu_seconds.values())
@@ -187,7 +361,7 @@ def group_by_layout(base: Baseline, hw: Hardware, plans: list[Plan], cache: dict
 
 
 def fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
-              cache: dict, outcomes: list, *, only=None, keep=None) -> set:
+              cache: dict, outcomes: list, *, only=None, keep=None, watch=None) -> set:
     """Every plan's peak from its layout's bounds (``quick_simulate``; a replay where the
     bounds cannot express it), one lifetime layout at a time: a layout's bounds are dropped
     once its plans are priced, and the timelines of steps 0-3 in ``cache`` once the last
@@ -195,7 +369,9 @@ def fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
     layout, not all of them.  The figures do not depend on the order.  Returns the keys of
     every such ``cache`` entry.  ``only(order, needs)``: the layouts to price, of those in
     running order (the dashboard's worker shares them among processes); ``keep``: what
-    of each prediction to keep (default all of it)."""
+    of each prediction to keep (default all of it); ``watch(indices, entries, cache)``:
+    told each layout's plans once they are priced, before its timelines may be dropped
+    (``TwinStages`` keeps the few that the tensor-parallel plans will replay)."""
     needs = {key: layout_cache_keys(base, plans[indices[0]], hw, cache)
              for key, indices in by_layout.items()}
     order = sorted(by_layout, key=lambda k: repr(needs[k]))
@@ -212,6 +388,8 @@ def fast_pass(base: Baseline, hw: Hardware, plans: list[Plan], by_layout: dict,
                 outcomes[index] = keep(prediction) if keep else prediction
             except PlanError as exc:
                 outcomes[index] = (plan, str(exc))
+        if watch is not None:
+            watch(by_layout[key], needs[key], cache)
         for entry in needs[key]:
             users[entry] -= 1
             if not users[entry]:
