@@ -40,6 +40,7 @@ import numpy as np
 
 from ..plan import Plan, tensor_parallel_blocks
 from ..trace import schema
+from .module_paths import inside_any
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
 _FORWARD, _BACKWARD = PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD]
@@ -50,10 +51,6 @@ _ACTIVATION = CATEGORY_CODE[schema.ACTIVATION]
 #: ops whose output is a matmul's (the partial sums; a DTensor's bookkeeping makes bytes-size
 #: side tensors in the same module that are not)
 _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
-
-
-def _inside(path: str, roots) -> bool:
-    return any(path == r or path.startswith(r + ".") or r == "" for r in roots)
 
 
 def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules) -> tuple[Timeline, dict]:
@@ -73,7 +70,7 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules) -> tuple[Time
         return timeline, notes
 
     names = timeline.modules
-    in_region = np.array([_inside(m, regions) for m in names], bool)[timeline.module]
+    in_region = inside_any(names, regions)[timeline.module]
     colwise = np.array([styles.get(m) == "colwise" for m in names], bool)[timeline.module]
     rowwise = np.array([styles.get(m) == "rowwise" for m in names], bool)[timeline.module]
     matmul = timeline.op_in(_MATMUL_OPS)
@@ -86,9 +83,9 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules) -> tuple[Time
     split_flowing = flowing & in_region & ~whole_partials
     if plan.sp:
         stack = sorted({r.rpartition(".")[0] for r in regions})
-        in_stack = np.array([_inside(m, stack) for m in names], bool)[timeline.module]
+        in_stack = inside_any(names, stack)[timeline.module]
         kept = list(blocks.kept)
-        in_kept = np.array([_inside(m, kept) for m in names], bool)[timeline.module] \
+        in_kept = inside_any(names, kept)[timeline.module] \
             if kept else np.zeros(len(timeline), bool)
         split_flowing |= flowing & in_stack & ~in_region & ~in_kept & timeline.scales_with_batch
 
@@ -213,7 +210,7 @@ def _kept_inputs(timeline: Timeline, kept: list[str]) -> dict:
     matmul = timeline.op_in(_MATMUL_OPS)
     rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": []}
     for path in kept:
-        codes = np.flatnonzero([_inside(m, [path]) for m in names])
+        codes = np.flatnonzero(inside_any(names, [path]))
         mine = np.isin(timeline.module, codes)
         forward = np.flatnonzero(mine & (timeline.phase == _FORWARD))
         backward = np.flatnonzero(mine & (timeline.phase == _BACKWARD))
