@@ -647,3 +647,18 @@ def resolve_checkpoint(plan: Plan, modules: Iterable[Any]) -> list[str]:
     outer = [p for p in dict.fromkeys(chosen)
              if not any(p != q and (q == "" or p.startswith(q + ".")) for q in chosen)]
     return outer
+
+
+def pipeline_stage_ranges(num_blocks: int, num_stages: int) -> list[range]:
+    """Contiguous, balanced block index ranges per pipeline stage, the first stages taking
+    the extra blocks: the one rule apply's stages and the simulator's follow."""
+    if num_blocks < num_stages:
+        raise PlanError(f"pp={num_stages} needs at least {num_stages} repeated blocks to give "
+                        f"each stage one; the model has {num_blocks}")
+    base, extra = divmod(num_blocks, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        size = base + (stage < extra)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan import Plan, PlanError, repeated_blocks
+from ..plan import Plan, PlanError, pipeline_stage_ranges, repeated_blocks
 from . import checkpointing
 
 _ARG = "_memadvisor_arg"  #: the script's positional arguments travel as keyword arguments
@@ -56,19 +56,7 @@ class _Skip(nn.Module):
         return x
 
 
-def stage_ranges(num_blocks: int, num_stages: int) -> list[range]:
-    """Contiguous, balanced block index ranges per stage (the first stages take the extra
-    blocks); shared with the simulator's rule (``simulate/pipeline_parallel.py``)."""
-    if num_blocks < num_stages:
-        raise PlanError(f"pp={num_stages} needs at least {num_stages} repeated blocks to give "
-                        f"each stage one; the model has {num_blocks}")
-    base, extra = divmod(num_blocks, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        size = base + (stage < extra)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
+stage_ranges = pipeline_stage_ranges  #: the rule lives with the plan (plan.py)
 
 
 def _loss_position(output):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, pipeline_stage_ranges
 from ..trace import schema
 from .accumulation import accumulated_peak
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
@@ -41,19 +41,7 @@ _STATE = CATEGORY_CODE[schema.OPTIMIZER_STATE]
 _ACTIVATION = CATEGORY_CODE[schema.ACTIVATION]
 
 
-def stage_ranges(num_blocks: int, num_stages: int) -> list[range]:
-    """Contiguous, balanced block ranges per stage, the first stages taking the extra blocks
-    (apply's ``pipeline_parallel.stage_ranges``, repeated here: simulate imports no torch)."""
-    if num_blocks < num_stages:
-        raise PlanError(f"pp={num_stages} needs at least {num_stages} repeated blocks to give "
-                        f"each stage one; the model has {num_blocks}")
-    base, extra = divmod(num_blocks, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        size = base + (stage < extra)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
+stage_ranges = pipeline_stage_ranges  #: the rule lives with the plan (plan.py)
 
 
 def in_flight_micro_batches(plan: Plan, stage: int) -> int:

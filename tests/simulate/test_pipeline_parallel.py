@@ -2,11 +2,10 @@
 stage's model state, in-flight micro-batches under each schedule, the bubble in the step
 time, and the per-rank peaks against ``apply --plan pp=2 --profile``."""
 import os
-import subprocess
-import sys
 
 import pytest
 
+from .cli_runs import ROOT, run_cli
 from memadvisor.plan import Plan
 from memadvisor.simulate import prepare, simulate
 from memadvisor.simulate import pipeline_parallel
@@ -15,18 +14,13 @@ from memadvisor.simulate.simulator import quick_simulate
 from memadvisor.trace.analysis import analysed_step
 from memadvisor.trace.io import read_trace
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 GPT = os.path.join(ROOT, "examples", "gpt_lm.py")
 GPT_ARGS = ["--n-layer", "2", "--d-model", "64", "--batch-size", "8", "--device", "cpu"]
 #: the issue's target for the analytic prediction against the measured per-rank peak
 ANALYTIC_TARGET = 0.05
 
 
-def _cli(*args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "memadvisor.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
+_cli = run_cli
 
 
 @pytest.fixture(scope="module")

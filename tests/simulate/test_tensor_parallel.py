@@ -2,11 +2,10 @@
 model state, the all-reduce volume, and the peak against ``apply --plan tp=2 --profile``."""
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 
+from .cli_runs import ROOT, run_cli
 from memadvisor.plan import Plan, tensor_parallel_blocks
 from memadvisor.simulate import prepare, simulate
 from memadvisor.simulate.hardware import hardware
@@ -14,7 +13,6 @@ from memadvisor.simulate.simulator import quick_simulate
 from memadvisor.trace.analysis import analysed_step
 from memadvisor.trace.io import read_trace
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 LLAMA = os.path.join(ROOT, "zoo", "llama_decoder.py")
 GPT = os.path.join(ROOT, "examples", "gpt_lm.py")
 GPT_ARGS = ["--n-layer", "2", "--d-model", "64", "--batch-size", "8", "--device", "cpu"]
@@ -25,11 +23,7 @@ ANALYTIC_TARGET = 0.05
 SEQUENCE_PARALLEL_TOLERANCE = 0.08
 
 
-def _cli(*args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "memadvisor.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
+_cli = run_cli
 
 
 @pytest.fixture(scope="module")
