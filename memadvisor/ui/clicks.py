@@ -105,6 +105,7 @@ INSTALL_CLICKS = """function(figure) {
         clicks.onClick = function(event) {
             const p = pointOf(event);
             if (!p) return;
+            clicks.lastClick = p.click;  // what the page asked for (read by the browser test)
             const ticket = ++clicks.ticket;
             ask(p).then(answer => {
                 // a later click won, or the chart has another step now

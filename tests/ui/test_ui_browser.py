@@ -69,7 +69,7 @@ def test_dashboard_in_the_browser(ui_model_trace, synthetic_traces):
             assert page.locator(titles).count() == len(advice_rows)
             assert page.locator(titles).first.inner_text().strip() == advice_rows[0]["title"]
             # a click on the timeline answers with the storages alive at that moment
-            click_timeline(page)
+            clicked = click_timeline(page)
             sizes = page.locator("#moment-table .ag-center-cols-container "
                                  ".ag-cell[col-id=bytes]")
             assert sizes.count() > 0
@@ -77,8 +77,6 @@ def test_dashboard_in_the_browser(ui_model_trace, synthetic_traces):
             assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", sizes.first.inner_text().strip())
             # the caption and the grid are the server's answer for the point clicked (the
             # page asks ui.clicks' route, not a Dash callback) ...
-            clicked = page.evaluate("document.querySelector('#timeline .js-plotly-plot')"
-                                    "._hoverdata[0].pointIndex")
             click = {"points": [{"pointIndex": clicked}]}
             caption, rows = board.moment_table(2, click)
             assert page.locator("#moment-caption").inner_text() == caption
@@ -101,11 +99,15 @@ def test_dashboard_in_the_browser(ui_model_trace, synthetic_traces):
     assert errors == [] and blocked == []
 
 
-def click_timeline(page) -> None:
+def click_timeline(page) -> int:
     """Click inside the timeline the way a user does: point at it until Plotly shows its
     hover label (its click event carries the hovered points), click, and wait for the
     dashboard's answer. The spot is 30% across, wherever the events fall: the x axis is
-    time, and a click between two distant events must still pick the nearest one."""
+    time, and a click between two distant events must still pick the nearest one.
+
+    Returns the index of the point the click event carried (as the page recorded it): once
+    the answer is drawn the page may reflow under the resting pointer and plotly hover
+    another point, so the hover data read afterwards is not the point clicked."""
     graph = page.locator("#timeline .nsewdrag").first
     graph.scroll_into_view_if_needed()
     box = graph.bounding_box()
@@ -116,3 +118,4 @@ def click_timeline(page) -> None:
     page.mouse.click(x, y)
     page.wait_for_function("() => document.querySelector('#moment-caption')"
                            ".innerText.startsWith('At the selected moment')", timeout=10_000)
+    return page.evaluate("window.memadvisorClicks.lastClick.points[0].pointIndex")
