@@ -13,7 +13,9 @@ own forward** with module hooks:
   a mask -- is computed by the forward itself, as torchtitan keeps ``freqs_cis`` as a
   buffer on every stage);
 - a stage before the last stops at its last block's output (``_StageDone``) and sends it;
-- the last stage runs on to the model's output and hands the schedule its loss.
+- the last stage runs on to the model's output and hands the schedule its loss: the one
+  the output holds (``_, loss = model(x, y)``), or the script's loss expression applied
+  to it (``with_loss``: the rewrite made that expression a function, loss_expression.py).
 
 The layers outside the stack (embeddings, final norm, head) stay on every rank in this
 increment: only the first stage's embedding and the last stage's head take part in the
@@ -24,7 +26,16 @@ schedule, which also makes a weight tied between the embedding and the head (GPT
 ``scale_grads=True`` (gradients divided by M): the mean-loss math of the unmodified step.
 The forward must be embed -> blocks -> head: a block's input that is not the previous
 block's output (the forward changes the stream between blocks, or calls a block twice) is
-refused on the first batch, on every rank alike, as is a model whose output holds no loss.
+refused on the first batch, on every rank alike, as is a model whose output holds no loss
+when the script gives no loss function.
+
+The loss function runs inside the last stage's forward (the schedule's own ``loss_fn`` is
+the identity), and the batch tensors it reads travel as keyword arguments of the schedule's
+step, so torch cuts them into the same micro-batches as the model's inputs.  Not torch's
+``loss_fn(output, target)`` with the output as the stage's output because: the output may
+be any structure (a tuple, a dict) where a stage sends and validates tensors; the stage
+would keep each micro-batch's output (the logits) for its backward besides what autograd
+saves; and ``target`` is one tensor where a loss may read several.
 """
 from __future__ import annotations
 
@@ -39,6 +50,7 @@ from ..plan import Plan, PlanError, pipeline_stage_ranges, repeated_blocks
 from . import checkpointing
 
 _ARG = "_memadvisor_arg"  #: the script's positional arguments travel as keyword arguments
+_TARGET = "_memadvisor_target"  #: the batch tensors the script's loss function reads
 
 
 class _StageDone(Exception):
@@ -81,16 +93,20 @@ class _Stage(nn.Module):
     """What ``PipelineStage`` runs: the model's own forward, entered or left at this stage's
     blocks by the hooks ``PipelineModel`` installs."""
 
-    def __init__(self, model: nn.Module, num_args: int, is_last: bool, position):
+    def __init__(self, model: nn.Module, num_args: int, num_targets: int, is_last: bool,
+                 position):
         super().__init__()
         self.model = model
         self.num_args = num_args
+        self.num_targets = num_targets
         self.is_last = is_last
         self.position = position
         self.received = None
+        self.loss_fn = None  #: the script's loss function (set for each step: ``with_loss``)
 
     def forward(self, *received, **kwargs):
         args = [kwargs.pop(f"{_ARG}{i}") for i in range(self.num_args)]
+        targets = [kwargs.pop(f"{_TARGET}{i}") for i in range(self.num_targets)]
         self.received = received[0] if received else None
         try:
             output = self.model(*args, **kwargs)
@@ -99,6 +115,8 @@ class _Stage(nn.Module):
         finally:
             self.received = None
         kind, where = self.position
+        if kind == "loss_fn":
+            return self.loss_fn(output, *targets)
         return output if kind == "tensor" else output[where[1]]
 
 
@@ -120,6 +138,7 @@ class PipelineModel(nn.Module):
         self.schedule = None
         self.stage = None
         self.position = None
+        self.with_loss_function = None  #: whether the first step came with a loss function
         self.dry_run = False
         #: block index -> a weak reference to its output in this forward (for the check that
         #: the next block takes it; weak so it keeps no activation alive)
@@ -172,16 +191,19 @@ class PipelineModel(nn.Module):
         return hook
 
     # --- the schedule --------------------------------------------------------------------
-    def _build(self, kwargs: dict, batch_size: int):
+    def _build(self, kwargs: dict, batch_size: int, loss_fn=None):
         """On the first batch: a no-grad run of one micro-batch through the model as this
         rank holds it (other stages' blocks skipped) finds the stream's shape and the loss
-        in the output; every rank runs the same checks, so a refusal stops all alike."""
+        in the output (or checks the script's loss function gives one); every rank runs the
+        same checks, so a refusal stops all alike."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         micro = batch_size // self.plan.pipeline_microbatches
         first = {k: (v[:micro] if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         num_args = sum(k.startswith(_ARG) for k in kwargs)
+        num_targets = sum(k.startswith(_TARGET) for k in kwargs)
         args = [first.pop(f"{_ARG}{i}") for i in range(num_args)]
+        targets = [first.pop(f"{_TARGET}{i}") for i in range(num_targets)]
         stream = {}
 
         def grab(block, block_args):
@@ -192,17 +214,20 @@ class PipelineModel(nn.Module):
         try:
             with torch.no_grad():
                 output = self.module(*args, **first)
+                position = (("loss_fn", None) if loss_fn is not None
+                            else _loss_position(output))
+                if loss_fn is not None:
+                    _check_loss(loss_fn(output, *targets), loss_fn, self.num_stages)
         finally:
             self.dry_run = False
             handle.remove()
             self.outputs.clear()
-        position = _loss_position(output)
         if position is None:
             raise PlanError(f"pp={self.num_stages}: the model's output holds no loss (one 0-dim "
-                            f"tensor; it returned {type(output).__name__}): the pipeline's "
-                            "last stage must compute the loss inside the model's forward "
-                            "(a loss computed by the script from the logits is not supported "
-                            "yet)")
+                            f"tensor; it returned {type(output).__name__}) and the script "
+                            "computes its loss from the output but calls the model directly: "
+                            "apply the pp plan to the original script, whose rewrite hands "
+                            "that loss expression to the pipeline (`mem.with_loss`)")
         self.position = position
         x = stream["x"]
         # the metadata's requires_grad decides whether received activations get gradients
@@ -211,7 +236,7 @@ class PipelineModel(nn.Module):
                            requires_grad=x.is_floating_point())
         is_last = self.stage_index == self.num_stages - 1
         del output
-        submodule = _Stage(self.module, num_args, is_last, position)
+        submodule = _Stage(self.module, num_args, num_targets, is_last, position)
         self.stage = PipelineStage(
             submodule, self.stage_index, self.num_stages, self.device,
             input_args=(meta,) if self.stage_index > 0 else (),
@@ -221,6 +246,21 @@ class PipelineModel(nn.Module):
                                        loss_fn=_identity_loss, scale_grads=True)
 
     def forward(self, *args, **kwargs):
+        return self._step(args, kwargs)
+
+    def forward_with_loss(self, loss_fn, targets: tuple, *args, **kwargs):
+        """The model called by ``with_loss``: the schedule computes ``loss_fn(output,
+        *targets)`` on the last stage per micro-batch (each target cut as the inputs are);
+        returns the step's mean loss."""
+        for index, target in enumerate(targets):
+            if not isinstance(target, torch.Tensor):
+                raise PlanError(f"pp={self.num_stages}: the loss reads "
+                                f"`{_parameter_name(loss_fn, index + 1)}`, a "
+                                f"{type(target).__name__}, not a tensor the pipeline can cut "
+                                "into micro-batches")
+        return self._step(args, kwargs, loss_fn, targets)
+
+    def _step(self, args: tuple, kwargs: dict, loss_fn=None, targets: tuple = ()):
         if not torch.is_grad_enabled():
             raise PlanError(f"pp={self.num_stages}: the pipelined model was called without "
                             "gradients (an evaluation under torch.no_grad): only training "
@@ -232,7 +272,9 @@ class PipelineModel(nn.Module):
         batch_size = batch.shape[0]
         self.plan.micro_batch_size(batch_size)  # PlanError when M does not divide it
         for name, value in (*((f"argument {i}", a) for i, a in enumerate(args)),
-                            *kwargs.items()):
+                            *kwargs.items(),
+                            *((f"`{_parameter_name(loss_fn, i + 1)}`, read by the loss,", t)
+                              for i, t in enumerate(targets))):
             if isinstance(value, torch.Tensor) and (value.dim() == 0
                                                    or value.shape[0] != batch_size):
                 raise PlanError(f"pp={self.num_stages}: {name} of the model call has shape "
@@ -240,8 +282,14 @@ class PipelineModel(nn.Module):
                                 "pipeline cuts every tensor argument into micro-batches")
         inputs = {f"{_ARG}{i}": a for i, a in enumerate(args)}
         inputs.update(kwargs)
+        inputs.update({f"{_TARGET}{i}": t for i, t in enumerate(targets)})
         if self.schedule is None:
-            self._build(inputs, batch_size)
+            self._build(inputs, batch_size, loss_fn)
+            self.with_loss_function = loss_fn is not None
+        if self.with_loss_function != (loss_fn is not None):
+            raise PlanError(f"pp={self.num_stages}: the model is called both with the script's "
+                            "loss function and without it; one pipeline runs one of them")
+        self.stage.submod.loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         target = torch.zeros(batch_size, device=self.device)
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
@@ -252,8 +300,9 @@ class PipelineModel(nn.Module):
             loss = torch.stack([l.detach().float() for l in losses]).mean()
         dist.broadcast(loss, src=self.num_stages - 1)  # world = pp: stage s is rank s
         loss._memadvisor_pipeline = True
+        self.stage.submod.loss_fn = None  # keeps none of the step's tensors alive
         kind, where = self.position
-        if kind == "tensor":
+        if kind in ("tensor", "loss_fn"):
             return loss
         if kind == "dict":
             keys, key = where
@@ -275,6 +324,38 @@ class PipelineModel(nn.Module):
 
 def _identity_loss(output, target):
     return output
+
+
+def _check_loss(loss, loss_fn, num_stages: int) -> None:
+    if (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        return
+    code = loss_fn.__code__
+    what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+            else type(loss).__name__)
+    raise PlanError(f"pp={num_stages}: the script's loss ({code.co_filename}, line "
+                    f"{code.co_firstlineno}: `{loss_fn.__name__}`) gives {what}, not one "
+                    "number: the pipeline averages one loss per micro-batch")
+
+
+def _parameter_name(loss_fn, index: int) -> str:
+    names = loss_fn.__code__.co_varnames if loss_fn is not None else ()
+    return names[index] if index < len(names) else f"argument {index}"
+
+
+def with_loss(model, loss_fn, *targets):
+    """``model`` to call with ``loss_fn(output, *targets)`` as its loss: what the pp
+    rewrite of a script-side loss calls (loss_expression.py).  Under a pipeline the schedule
+    computes it on the last stage per micro-batch and the call returns the step's mean
+    loss; otherwise it is computed here, so the rewritten script runs under any plan."""
+    pipeline = model if isinstance(model, PipelineModel) else getattr(model, "__self__", None)
+    if isinstance(pipeline, PipelineModel):
+        def run_pipeline(*args, **kwargs):
+            return pipeline.forward_with_loss(loss_fn, targets, *args, **kwargs)
+        return run_pipeline
+
+    def run(*args, **kwargs):
+        return loss_fn(model(*args, **kwargs), *targets)
+    return run
 
 
 def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,

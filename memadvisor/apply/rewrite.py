@@ -36,6 +36,7 @@ import libcst as cst
 
 from ..errors import UserError
 from ..plan import Plan
+from . import loss_expression
 from .find import Found, ScriptFinder, ScriptNotUnderstood, dotted
 
 ALIAS = "mem"
@@ -121,12 +122,24 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
     if refusal:
         raise RewriteError(f"cannot rewrite {filename} for plan {plan}: {refusal} "
                            "(nothing was written or run)")
+    loss_function = None
+    if plan.pp > 1:
+        try:
+            loss_function = loss_expression.analyse(finder, found, str(plan))
+        except loss_expression.NotPipelinable as exc:
+            raise RewriteError(f"cannot rewrite {filename} for plan {plan}: {exc} "
+                               "(nothing was written or run)") from None
     alias = _free_alias(finder)
     new_module = finder.module.visit(
-        _Editor(found, plan, alias, _import_anchor(finder.module), finder.parents))
+        _Editor(found, plan, alias, _import_anchor(finder.module), finder.parents,
+                loss_function))
+    lines = {k: f"line {v}" for k, v in found.lines.items()}
+    if loss_function is not None:
+        lines["loss"] = (f"line {finder.line(loss_function.statements[0])}, the pipeline's loss "
+                         f"function `{loss_function.function_name}`")
     return Rewrite(source, new_module.code, plan, found={
         "model": found.model, "optimizer": found.optimizer, "batch": ", ".join(found.batch),
-        **{k: f"line {v}" for k, v in found.lines.items()}})
+        **lines})
 
 
 def plan_refusal(plan: Plan, split_refusal: str | None, closure_steps: list[str],
@@ -149,7 +162,9 @@ def plan_refusal(plan: Plan, split_refusal: str | None, closure_steps: list[str]
                 "in its line search); accumulation cannot split micro-batches inside it")
     if split_refusal and (plan.accum > 1 or plan.world > 1):
         knob = (f"accum={plan.accum}" if plan.accum > 1 else
-                f"shard={plan.shard},world={plan.world} (each rank takes a slice of the batch)")
+                f"pp={plan.pp} (the pipeline cuts the batch into micro-batches)" if plan.pp > 1
+                else f"shard={plan.shard},world={plan.world} (each rank takes a slice of the "
+                     "batch)")
         return f"{knob}: the batch cannot be split: {split_refusal}"
     return None
 
@@ -160,8 +175,11 @@ def _statement(code: str) -> cst.SimpleStatementLine:
 
 
 class _Editor(cst.CSTTransformer):
-    def __init__(self, found: Found, plan: Plan, alias: str, import_anchor, parents):
+    def __init__(self, found: Found, plan: Plan, alias: str, import_anchor, parents,
+                 loss_function: loss_expression.LossFunction | None = None):
         self.found = found
+        #: pp with a loss the script computes: those statements become the loss function
+        self.loss_function = loss_function
         self.parents = parents
         self._in_region = 0
         self.alias = alias
@@ -309,6 +327,9 @@ class _Editor(cst.CSTTransformer):
                 new = new.with_changes(leading_lines=carry_lines)
                 carry_lines = None
             inside.append(new)
+        if self.loss_function is not None:
+            inside = self._with_loss_function(inside, [o for o in old_statements
+                                                       if id(o) not in self.hoisted])
         lead = inside[0].leading_lines
         inside[0] = inside[0].with_changes(leading_lines=())
         names = ", ".join(self.found.batch)
@@ -320,6 +341,18 @@ class _Editor(cst.CSTTransformer):
             hoisted[0] = hoisted[0].with_changes(leading_lines=lead)
             return [*hoisted, loop]
         return [loop.with_changes(leading_lines=lead)]
+
+
+    def _with_loss_function(self, inside: list, olds: list) -> list:
+        """The loss statements replaced by the loss function and the model call through
+        ``mem.with_loss`` (loss_expression.py)."""
+        moved = [id(s) for s in self.loss_function.statements]
+        positions = [i for i, old in enumerate(olds) if id(old) in moved]
+        updated = [inside[i] for i in positions]
+        built = loss_expression.pipeline_statements(self.loss_function, updated, self.alias)
+        start = positions[0]
+        return [*inside[:start], *built,
+                *(s for i, s in enumerate(inside) if i > start and i not in positions)]
 
 
 def _keyword(name: str, value) -> cst.Arg:

@@ -162,3 +162,78 @@ def test_pp2_on_two_ranks_trains_as_the_unmodified_run(tmp_path):
         parts = Plan.parse(plan).pipeline_microbatches
         assert same_math_error(params, original, parts) <= 1, \
             (plan, relative_error(params, original))
+
+
+# --- a loss the script computes from the model's output ------------------------------------
+LLAMA = REPO / "zoo" / "llama_decoder.py"
+LLAMA_ARGS = ["--steps", "3", "--batch-size", "8"]
+
+#: ``criterion(model(x), y)`` with a criterion module and a target the model never sees
+CRITERION_SCRIPT = '''\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+                                    for _ in range(4))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+torch.manual_seed(0)
+model = Net()
+criterion = nn.CrossEntropyLoss()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+data = torch.Generator().manual_seed(1)
+for step in range(3):
+    x = torch.randn(8, 6, generator=data)
+    y = torch.randint(5, (8,), generator=data)
+    loss = criterion(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    print(f"step {step} loss {loss.item():.6f}")
+'''
+
+
+#: As the GPT case: the same math in another order over M micro-batches (the loss function
+#: now runs per micro-batch on the last stage; cross-entropy's mean over equal micro-batches,
+#: averaged over M, is the batch's mean), fp32, so reorder_tolerance(M) holds it.
+@pytest.mark.slow
+def test_pp2_with_the_scripts_own_loss_trains_as_the_unmodified_run(tmp_path):
+    criterion_script = tmp_path / "criterion_loss.py"
+    criterion_script.write_text(CRITERION_SCRIPT)
+    jobs = [(LLAMA, "pp=2,world=2", LLAMA_ARGS),
+            (LLAMA, "pp=2,world=2,schedule=gpipe,microbatches=4", LLAMA_ARGS),
+            (criterion_script, "pp=2,world=2", [])]
+    results = run_distributed(jobs, 2, tmp_path)
+    originals = {LLAMA: run_original(LLAMA, LLAMA_ARGS),
+                 criterion_script: run_original(criterion_script, [])}
+    for (script, plan, _), params in zip(jobs, results):
+        parts = Plan.parse(plan).pipeline_microbatches
+        assert same_math_error(params, originals[script], parts) <= 1, \
+            (script.name, plan, relative_error(params, originals[script]))
+
+
+def test_apply_refuses_a_loss_expression_it_cannot_pipeline_before_running(tmp_path):
+    script = tmp_path / "accuracy.py"
+    script.write_text(CRITERION_SCRIPT.replace(
+        "    print(f\"step", "    accuracy = (logits.argmax(-1) == y).float().mean()\n"
+        "    print(f\"step").replace("loss = criterion(model(x), y)",
+                                    "logits = model(x)\n    loss = criterion(logits, y)"))
+    done = subprocess.run([sys.executable, "-m", "memadvisor.cli", "apply", str(script),
+                           "--plan", "pp=2,world=2"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "line 33 reads `logits`, which the loss expression (line 28) computes" in \
+        done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "accuracy_memadvisor.py").exists()
