@@ -18,9 +18,19 @@ timeline after the batch split (micro-batch B / M):
   (one micro-step's peak, no gradients of this stage yet, in_flight - 1 others stashed)
   and a later one (M micro-steps' accumulated peak, gradients present, with in_flight - 1
   others stashed in 1F1B's steady state when M > in_flight, else in_flight - 2);
-* P2P buffers: a stage after the first keeps each in-flight micro-batch's received input
-  (the stream entering its first block) for its backward, and gets one input-gradient buffer
-  of the same size; a stage before the last receives one output gradient.
+* what the script holds of the model's output: under a pipeline the model call returns
+  the step's mean loss and nothing else, and a loss the script computes from the output
+  (``logits = model(x); loss = f(logits, y)``) runs in the last stage's loss function
+  (apply/loss_expression.py), whose locals die when it returns.  So forward temporaries
+  outside the stack that the unmodified script kept past the forward (its ``logits``
+  variable: not saved by autograd, alive into the backward) live only until the backward
+  starts, and those it kept from the previous step (alive when the step begins) are gone;
+  what autograd saves for the loss's backward (log-softmax's output) stays an activation,
+  held per in-flight micro-batch like the blocks' own;
+* P2P buffers (torch 2.13's ``PipelineStage`` makes one receive buffer per micro-batch and
+  keeps them across steps): a stage after the first holds M buffers of the stream it
+  receives, plus the input gradient it sends back; a stage before the last holds M buffers
+  for the output gradients it receives.
 
 Step time: the bubble (P - 1) / (M + P - 1) of the pipelined step is idle on every rank.
 
@@ -39,6 +49,7 @@ _FORWARD, _BACKWARD = PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD]
 _GRADIENT, _PARAMETER = CATEGORY_CODE[schema.GRADIENT], CATEGORY_CODE[schema.PARAMETER]
 _STATE = CATEGORY_CODE[schema.OPTIMIZER_STATE]
 _ACTIVATION = CATEGORY_CODE[schema.ACTIVATION]
+_TEMPORARY = CATEGORY_CODE[schema.TEMPORARY]
 
 
 stage_ranges = pipeline_stage_ranges  #: the rule lives with the plan (plan.py)
@@ -93,8 +104,13 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     pre = outside & activity & ((timeline.alloc_key < first_block_key)
                                 | (timeline.alloc_key > last_backward_key))
     post = outside & activity & ~pre
-    backward_start = (timeline.alloc_key[backward].min() if backward.any()
+    # the step's first backward event (not the earliest backward-phase row: the previous
+    # step's gradients are alive from before the step, key -1)
+    backward_events = np.flatnonzero(timeline.event_phase == _BACKWARD)
+    backward_start = (float(backward_events[0]) if len(backward_events)
                       else float(timeline.n_events))
+    timeline, held_output_bytes = _without_script_held_output(
+        timeline, outside & forward, first_block_key, backward_start)
     block_share = [float(block_parameter_fraction.get(b, 0.0)) for b in blocks]
     outside_share = max(1.0 - sum(block_share), 0.0)
     stream_bytes = _stream_bytes(timeline, block)
@@ -122,8 +138,9 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         saved = float(sizes[forward & (timeline.free_key > backward_start)
                             & (timeline.category == _ACTIVATION)].sum())
         flights = in_flight_micro_batches(plan, stage)
-        receive = stream_bytes * (flights + 1) if stage > 0 else 0.0
-        send_grad = stream_bytes if stage < plan.pp - 1 else 0.0
+        micro_batches = plan.pipeline_microbatches
+        receive = stream_bytes * (micro_batches + 1) if stage > 0 else 0.0
+        send_grad = stream_bytes * micro_batches if stage < plan.pp - 1 else 0.0
         # other micro-batches stashed during a backward that finds this stage's gradients
         # already there: 1F1B's steady state keeps all ``flights`` in flight while forwards
         # remain (M > flights); its cool-down, and GPipe's second backward, one fewer
@@ -140,7 +157,27 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     worst = max(stages, key=lambda s: s["peak_bytes"])
     return {"stages": stages, "worst_stage": worst["stage"], "peak_bytes": worst["peak_bytes"],
             "schedule": plan.schedule, "microbatches": plan.pipeline_microbatches,
-            "bubble_fraction": bubble_fraction(plan), "stream_bytes": int(round(stream_bytes))}
+            "bubble_fraction": bubble_fraction(plan), "stream_bytes": int(round(stream_bytes)),
+            "script_held_output_bytes": int(round(held_output_bytes))}
+
+
+def _without_script_held_output(timeline: Timeline, outside_forward: np.ndarray,
+                                first_block_key: float, backward_start: float
+                                ) -> tuple[Timeline, float]:
+    """The timeline with what the unmodified script held of the model's output (see the
+    module's docstring) freed where the pipeline frees it: this step's at the backward's
+    start, the previous step's not there at all; and the bytes of this step's (per
+    micro-batch)."""
+    temporary = outside_forward & (timeline.category == _TEMPORARY)
+    previous = temporary & (timeline.alloc_key < 0)
+    held = temporary & (timeline.alloc_key > first_block_key) \
+        & (timeline.free_key > backward_start)
+    if not (previous.any() or held.any()):
+        return timeline, 0.0
+    free_key = np.where(held, backward_start, timeline.free_key)
+    retimed = timeline.retimed(timeline.alloc_key, free_key)
+    return (retimed.resized(np.where(previous, 0.0, timeline.size)),
+            float(timeline.size[held].sum()))
 
 
 def _stream_bytes(timeline: Timeline, block: np.ndarray) -> float:
