@@ -204,7 +204,7 @@ def _realise(model, plan, out: dict) -> None:
     from memadvisor.apply.checkpointing import module_entries
     dist.init_process_group("nccl")  # the fake group, as this rank of plan.world
     layout = tensor_parallel.apply_tensor_parallel(model, plan, "cuda")
-    split_paths = set(layout.linear_paths()) if layout is not None else set()
+    split_paths = set(layout.split_paths()) if layout is not None else set()
     # DTensor parameters count their global elements: the cross-check sees the whole model
     out.update(model_state_bytes_per_rank(model, split_paths, plan))
     blocks = repeated_blocks(module_entries(model)) if plan.uses_fsdp else []

@@ -579,6 +579,52 @@ def tensor_parallel_blocks(modules: Iterable[Any]) -> TensorParallelBlocks:
     return TensorParallelBlocks(attention, mlp, kept)
 
 
+@dataclass
+class TensorParallelVocabulary:
+    """The token embedding and the LM head ``tp`` splits along the vocabulary (torchtitan's
+    ``tok_embeddings`` RowwiseParallel, ``output`` ColwiseParallel): paths, or None."""
+    embedding: str | None
+    head: str | None
+    tied: bool  #: one weight serves both (GPT's ``lm_head.weight = tok_emb.weight``)
+
+
+def tensor_parallel_vocabulary(modules: Iterable[Any],
+                               blocks: TensorParallelBlocks) -> TensorParallelVocabulary:
+    """The vocabulary embedding -- the Embedding with the most parameters (V x D) outside
+    the split blocks -- and the head: the last Linear outside them whose parameters are the
+    same V x D (plus V for a bias), the vocabulary-sized output at the model's end.  From
+    parameter counts alone, so the trace's module tree (simulate) and the live model (apply,
+    which then checks the shapes) find the same pair.  Tied: the model's total counts the
+    shared weight once, one head-sized weight less than its children's totals."""
+    entries = module_entries(modules)
+    regions = list(blocks.attention) + list(blocks.mlp) + list(blocks.kept)
+
+    def outside(path: str) -> bool:
+        return not any(path == r or path.startswith(r + ".") for r in regions if r)
+
+    embeddings = [m for m in entries if m.type == "Embedding" and m.total_parameter_count > 0
+                  and outside(m.path)]
+    if not embeddings:
+        return TensorParallelVocabulary(None, None, False)
+    embedding = max(embeddings, key=lambda m: m.total_parameter_count)
+    size = embedding.total_parameter_count
+
+    def vocabulary_sized(count: int) -> bool:  # V x D, or V x D + V (a bias of V)
+        return count == size or (size < count < 2 * size and size % (count - size) == 0)
+
+    heads = [m for m in entries if m.type == "Linear" and outside(m.path)
+             and vocabulary_sized(m.total_parameter_count)]
+    if not heads:
+        return TensorParallelVocabulary(embedding.path, None, False)
+    head = heads[-1]
+    root = next((m for m in entries if m.path == ""), None)
+    tied = False
+    if root is not None:
+        top = sum(m.total_parameter_count for m in entries if m.path and "." not in m.path)
+        tied = top - root.total_parameter_count >= head.total_parameter_count
+    return TensorParallelVocabulary(embedding.path, head.path, tied)
+
+
 def auto_checkpoint_modules(modules: Iterable[Any]) -> list[str]:
     """What ``checkpoint=auto`` recomputes: each repeated block, or, when the repeated
     units are single layers (``Sequential(Linear, ReLU, Linear, ...)``, where wrapping one

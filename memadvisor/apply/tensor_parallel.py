@@ -26,9 +26,30 @@ attention module whose head count cannot be found is refused.  A fused ``qkv`` L
 rows cannot be made to follow heads (ColwiseParallel would hand rank 0 all of q and half
 of k); the blocks' MLPs are split all the same.
 
-The embedding, the LM head and the final norm stay replicated in this increment (and the
-blocks' norms without ``sp``): every rank holds them whole and computes the same gradients
-for them, since every rank of a tensor-parallel group sees the same batch.
+The token embedding and the LM head are split along the vocabulary, as torchtitan's
+``parallelize_llama`` does (``plan.tensor_parallel_vocabulary`` finds them, simulate too):
+
+==========================  =========================================================
+token embedding             ``RowwiseParallel``: each rank holds V/T rows, looks up the
+                            ids in its range, zeros the rest; the partial outputs are
+                            all-reduced (``output_layouts=Replicate()``, also with
+                            ``sp``: the model may add a position embedding to it before
+                            the first block, where the sequence is cut)
+LM head                     ``ColwiseParallel(output_layouts=Replicate())``: each rank
+                            computes V/T logits, all-gathered along the vocabulary; the
+                            script computes its loss on the whole logits (torchtitan's
+                            ``loss_parallel`` would need the script's cross-entropy call
+                            inside its context, on DTensor logits)
+==========================  =========================================================
+
+A weight tied between the two (GPT, nanoGPT: ``lm_head.weight = tok_emb.weight``) is split
+the same way by both styles (rows = vocabulary, ``Shard(0)``), so, as PyTorch's own TP
+test model does, the head's weight is set back to the embedding's DTensor after both are
+split: one parameter, one gradient, shared.  An embedding with ``padding_idx``, ``max_norm``
+or sparse gradients stays replicated with the reason (the local lookup would apply them
+to global ids).  The final norm stays replicated (and the blocks' norms without ``sp``):
+every rank holds it whole and computes the same gradient, since every rank of a group
+sees the same batch; with ``sp`` the head would gather its input anyway.
 """
 from __future__ import annotations
 
@@ -37,7 +58,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..plan import (ModuleEntry, Plan, PlanError, TensorParallelBlocks,
-                    tensor_parallel_blocks)
+                    tensor_parallel_blocks, tensor_parallel_vocabulary)
 
 #: attributes holding a head count the attention's forward reshapes with
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads",
@@ -54,10 +75,21 @@ class Layout:
     mlp: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     heads: dict[str, dict[str, int]] = field(default_factory=dict)  #: path -> attr -> count
     kept: dict[str, str] = field(default_factory=dict)  #: path -> why it stays replicated
+    embedding: str | None = None  #: the token embedding split along the vocabulary
+    head: str | None = None  #: the LM head split along the vocabulary
+    tied: bool = False  #: the head's weight is the embedding's
+    vocabulary_kept: dict[str, str] = field(default_factory=dict)  #: path -> why whole
 
     def linear_paths(self) -> dict[str, str]:
         """Every split Linear: path -> 'colwise' | 'rowwise'."""
-        return TensorParallelBlocks(self.attention, self.mlp, self.kept).linear_styles()
+        styles = TensorParallelBlocks(self.attention, self.mlp, self.kept).linear_styles()
+        if self.head is not None:
+            styles[self.head] = "colwise"
+        return styles
+
+    def split_paths(self) -> list[str]:
+        """Every module whose weight is sharded: the split Linears and the embedding."""
+        return list(self.linear_paths()) + ([self.embedding] if self.embedding else [])
 
 
 def _join(path: str, name: str) -> str:
@@ -87,8 +119,55 @@ def find_layout(model: nn.Module, tp: int) -> Layout:
                             f"{sorted(widths)} but its down Linear {roles['down'][0]} takes "
                             f"{modules[_join(path, roles['down'][0])].in_features} features: "
                             "not an up/down pair tp can split")
+    _find_vocabulary(model, entries, blocks, layout, tp)
     _check_divisible(model, layout, tp)
     return layout
+
+
+def _find_vocabulary(model: nn.Module, entries: list[ModuleEntry], blocks: TensorParallelBlocks,
+                     layout: Layout, tp: int) -> None:
+    """The embedding and head ``plan.tensor_parallel_vocabulary`` names, checked on the live
+    modules; what cannot be split is kept whole with the reason (never refused: the blocks
+    are the larger part and split all the same)."""
+    found = tensor_parallel_vocabulary(entries, blocks)
+    modules = dict(model.named_modules())
+    embedding = modules[found.embedding] if found.embedding is not None else None
+    head = modules[found.head] if found.head is not None else None
+    if embedding is not None:
+        why = _embedding_problem(embedding, tp)
+        if why:
+            layout.vocabulary_kept[found.embedding] = why
+        else:
+            layout.embedding = found.embedding
+    if head is not None:
+        vocabulary = embedding.num_embeddings
+        if head.out_features != vocabulary:
+            layout.vocabulary_kept[found.head] = (
+                f"{head.out_features} outputs, not the embedding's {vocabulary} tokens")
+        elif vocabulary % tp:
+            layout.vocabulary_kept[found.head] = f"vocabulary {vocabulary} not divisible by tp"
+        else:
+            layout.head = found.head
+    tied = head is not None and head.weight is embedding.weight
+    if tied and (layout.embedding is None) != (layout.head is None):
+        # a weight cannot be split for one module and whole for the other
+        for path, other in ((layout.embedding, found.head), (layout.head, found.embedding)):
+            if path is not None:
+                layout.vocabulary_kept[path] = (f"its weight is tied to {other}, which stays "
+                                                "replicated")
+        layout.embedding = layout.head = None
+    layout.tied = tied and layout.head is not None
+
+
+def _embedding_problem(embedding: nn.Module, tp: int) -> str:
+    if not isinstance(embedding, nn.Embedding):
+        return f"{type(embedding).__name__} is not torch.nn.Embedding"
+    if embedding.num_embeddings % tp:
+        return f"{embedding.num_embeddings} tokens, not divisible by tp"
+    if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+        return ("padding_idx, max_norm or sparse gradients: the local lookup would apply "
+                "them to global token ids")
+    return ""
 
 
 def _head_counts(module: nn.Module, path: str, tp: int) -> dict[str, int]:
@@ -171,10 +250,29 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, device_type: str) -> Lay
     for path, counts in layout.heads.items():
         for name, count in counts.items():
             setattr(modules[path], name, count // plan.tp)
+    _split_vocabulary(layout, tp_mesh, modules)
     if plan.sp:
         _sequence_parallel(layout, tp_mesh, modules)
     _check_split(model, layout, plan)
     return layout
+
+
+def _split_vocabulary(layout: Layout, tp_mesh, modules: dict) -> None:
+    """The embedding's and the head's vocabulary rows over the group; both shard the weight
+    along dimension 0, so a tied weight is re-tied to the embedding's DTensor afterwards (as
+    PyTorch's TP test ``Transformer.parallelize`` does) and stays one parameter."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module)
+
+    if layout.embedding is not None:
+        parallelize_module(modules[layout.embedding], tp_mesh, RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()))
+    if layout.head is not None:
+        parallelize_module(modules[layout.head], tp_mesh,
+                           ColwiseParallel(output_layouts=Replicate()))
+    if layout.tied:
+        modules[layout.head].weight = modules[layout.embedding].weight
 
 
 def _sequence_parallel(layout: Layout, tp_mesh, modules: dict) -> None:
@@ -228,9 +326,12 @@ def _sequence_parallel(layout: Layout, tp_mesh, modules: dict) -> None:
 def _check_split(model: nn.Module, layout: Layout, plan: Plan) -> None:
     """Every Linear the layout names holds a DTensor shard now (the knob took effect)."""
     modules = dict(model.named_modules())
-    for path in layout.linear_paths():
+    for path in layout.split_paths():
         if not hasattr(modules[path].weight, "full_tensor"):
             raise PlanError(f"tp={plan.tp} did not take effect: {path}.weight is not sharded")
+    if layout.tied and modules[layout.head].weight is not modules[layout.embedding].weight:
+        raise PlanError(f"tp={plan.tp}: {layout.head}.weight is no longer tied to "
+                        f"{layout.embedding}.weight")
 
 
 def describe(layout: Layout | None, sequence_parallel: bool = False) -> str:
@@ -238,10 +339,16 @@ def describe(layout: Layout | None, sequence_parallel: bool = False) -> str:
         return ""
     text = (f"tensor parallel: {len(layout.attention)} attention + {len(layout.mlp)} MLP "
             "blocks split" + (", sequence parallel between them" if sequence_parallel else ""))
+    vocabulary = [p for p in (layout.embedding, layout.head) if p is not None]
+    if vocabulary:
+        text += (f"; {' and '.join(vocabulary)} split along the vocabulary"
+                 + (" (tied weight, one shared shard)" if layout.tied else ""))
     if layout.kept:
         first = next(iter(layout.kept))
         text += (f"; {len(layout.kept)} attention kept replicated ({first or '<model>'}: "
                  f"{layout.kept[first]})")
+    for path, why in layout.vocabulary_kept.items():
+        text += f"; {path} kept replicated ({why})"
     return text
 
 

@@ -174,7 +174,7 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
     else:
         micro = 0
     copies = collective_copies or device_rules(hw.device_type)["collective_copies"]
-    timeline, tp_notes = apply_tensor_parallel(timeline, plan, base.meta.modules)
+    timeline, tp_notes = apply_tensor_parallel(timeline, plan, base.meta.modules, copies)
     timeline, notes = apply_sharding(timeline, plan, base.blocks, base.block_parameter_fraction,
                                      copies)
     notes.update(tp_notes)
@@ -291,7 +291,8 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
         worst = stages["stages"][stages["worst_stage"]]
         peak = type(peak)(stages["peak_bytes"], -1.0, worst["by_category"])
     copies = device_rules(hw.device_type)["collective_copies"]
-    if cache is None and plan.shard in FSDP_SHARDS and copies.get("held_until_next"):
+    if cache is None and (plan.shard in FSDP_SHARDS or plan.tp > 1) and copies.get(
+            "held_until_next"):
         # gloo's worker thread frees what a collective used at once or, scheduled late,
         # around the next collective: a race.  ``peak_bytes`` is the late outcome; say
         # what a run where the thread is on time measures too

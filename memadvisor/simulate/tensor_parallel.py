@@ -16,8 +16,11 @@ columns.  Per rank, on the one micro-step timeline (after the batch split):
 * each of those partial sums is all-reduced by a functional collective into a new tensor:
   one transient copy of it exists beside the original (measured in the traces of
   ``apply --plan tp=2 --profile``: the partial is freed right after the all-reduce);
-* everything else (embedding, norms, residual stream, LM head, attention kept whole) is
-  replicated: every rank of the group holds it whole;
+* the token embedding and the LM head are split along the vocabulary
+  (``tensor_parallel_vocabulary``: their weights divided, their outputs whole with the
+  gather's and the all-reduce's transient copies);
+* everything else (norms, residual stream, attention kept whole) is replicated: every
+  rank of the group holds it whole;
 * ``sp``: activations and temporaries of the blocks' other modules (norms, residual adds)
   are divided by T too, so are the partial sums' results (reduce-scattered); each
   column-parallel Linear keeps a whole copy of its gathered input for its backward
@@ -38,10 +41,12 @@ from collections import Counter
 
 import numpy as np
 
-from ..plan import Plan, tensor_parallel_blocks
+from ..plan import Plan, tensor_parallel_blocks, tensor_parallel_vocabulary
 from ..trace import schema
 from .module_paths import inside_any
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
+from .sequence_parallel import edge_changes, gathered_inputs, kept_inputs
+from .tensor_parallel_vocabulary import transient_rows, vocabulary_rows
 
 _FORWARD, _BACKWARD = PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD]
 _OPTIMIZER = PHASE_CODE[schema.OPTIMIZER]
@@ -53,18 +58,26 @@ _ACTIVATION = CATEGORY_CODE[schema.ACTIVATION]
 _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 
 
-def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules) -> tuple[Timeline, dict]:
+def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules,
+                          copies: dict | None = None) -> tuple[Timeline, dict]:
     """The per-rank timeline under ``plan.tp`` and notes (what was split, the bytes each
-    rank all-reduces per micro-step)."""
+    rank all-reduces per micro-step).  ``copies['held_until_next']`` (gloo): an all-gather's
+    input and output outlive it until the rank's next collective (``held_until``)."""
     if plan.tp < 2:
         return timeline, {}
     tp = plan.tp
     blocks = tensor_parallel_blocks(modules)
+    vocabulary = tensor_parallel_vocabulary(modules, blocks)
     styles = blocks.linear_styles()
+    if vocabulary.head is not None:
+        styles[vocabulary.head] = "colwise"
     regions = list(blocks.attention) + list(blocks.mlp)
     notes = {"tensor_parallel": {"attention_blocks": len(blocks.attention),
                                  "mlp_blocks": len(blocks.mlp),
-                                 "kept_replicated": dict(blocks.kept)}}
+                                 "kept_replicated": dict(blocks.kept),
+                                 "vocabulary_split": [p for p in (vocabulary.embedding,
+                                                                  vocabulary.head) if p],
+                                 "vocabulary_tied": vocabulary.tied}}
     if not regions:
         notes["tensor_parallel"]["problem"] = "no attention or MLP block to split"
         return timeline, notes
@@ -77,10 +90,13 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules) -> tuple[Time
     category, phase = timeline.category, timeline.phase
     flowing = np.isin(category, [_ACTIVATION, _TEMPORARY]) & np.isin(phase, [_FORWARD, _BACKWARD])
 
-    split_gradients = _split_gradient_rows(timeline, styles)
-    whole_partials = flowing & matmul & (((phase == _FORWARD) & rowwise)
-                                         | ((phase == _BACKWARD) & colwise))
+    split_vocabulary = vocabulary_rows(timeline, vocabulary)
+    split_gradients = _split_gradient_rows(timeline, styles) | (
+        split_vocabulary & (category == _GRADIENT))
+    whole_partials = flowing & matmul & ~split_vocabulary & (
+        ((phase == _FORWARD) & rowwise) | ((phase == _BACKWARD) & colwise))
     split_flowing = flowing & in_region & ~whole_partials
+    edges = None
     if plan.sp:
         stack = sorted({r.rpartition(".")[0] for r in regions})
         in_stack = inside_any(names, stack)[timeline.module]
@@ -88,16 +104,20 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules) -> tuple[Time
         in_kept = inside_any(names, kept)[timeline.module] \
             if kept else np.zeros(len(timeline), bool)
         split_flowing |= flowing & in_stack & ~in_region & ~in_kept & timeline.scales_with_batch
-
-    if plan.sp:
         # the all-reduce becomes a reduce-scatter: what the block hands on is this rank's
         # part of the sequence (its partial sum is the transient copy added below)
         split_flowing |= whole_partials
+        block_linears = colwise & inside_any(names, stack)[timeline.module]
+        edges = edge_changes(timeline, stack, (block_linears & in_region) | in_kept, tp)
     factor = np.ones(len(timeline))
-    factor[split_gradients | split_flowing] = 1.0 / tp
+    factor[split_gradients | split_flowing | split_vocabulary] = 1.0 / tp
     factor *= _state_factors(timeline, split_gradients, tp)
-    sizes = timeline.size * factor
-    out = timeline.resized(sizes)
+    out = timeline
+    if edges is not None:
+        override, free_key, _ = edges
+        factor = np.where(np.isnan(override), factor, override)
+        out = out.retimed(timeline.alloc_key, free_key)
+    out = out.resized(timeline.size * factor)
 
     partial = np.flatnonzero(whole_partials & (timeline.size > 0))
     forward_bytes = float(timeline.size[partial[phase[partial] == _FORWARD]].sum())
@@ -110,15 +130,24 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules) -> tuple[Time
              "scales_with_batch": timeline.scales_with_batch[partial],
              "shape": timeline.shape[partial]}
     out = out.appended(added)
-    if plan.sp:
-        out = out.appended(_gathered_inputs(timeline, styles))
-        out = out.appended(_kept_inputs(timeline, list(blocks.kept)))
+    collectives = _collective_keys(timeline, partial, vocabulary, styles, plan.sp)
+    held = bool((copies or {}).get("held_until_next"))
+    vocabulary_added, vocabulary_bytes = transient_rows(
+        timeline, vocabulary, tp, lambda key: held_until(collectives, key) if held else None)
+    out = out.appended(vocabulary_added)
+    forward_bytes += vocabulary_bytes["all_reduce_forward"]
+    if edges is not None:
+        out = out.appended(edges[2])
+        out = out.appended(gathered_inputs(timeline, styles))
+        out = out.appended(kept_inputs(timeline, list(blocks.kept)))
     ring = 2 * (tp - 1) / tp
     notes["tensor_parallel"].update({
         "split_linear_count": len(styles),
         "all_reduce_bytes_forward": forward_bytes,
         "all_reduce_bytes_backward": backward_bytes,
-        "communication_bytes_per_micro_step": ring * (forward_bytes + backward_bytes),
+        "all_gather_bytes_forward": vocabulary_bytes["all_gather_forward"],
+        "communication_bytes_per_micro_step": ring * (forward_bytes + backward_bytes)
+        + (tp - 1) / tp * vocabulary_bytes["all_gather_forward"],
         "sequence_parallel": plan.sp})
     return out, notes
 
@@ -164,76 +193,36 @@ def _state_factors(timeline: Timeline, split_gradients: np.ndarray, tp: int) -> 
     return factors
 
 
-def _gathered_inputs(timeline: Timeline, styles: dict[str, str]) -> dict:
-    """``sp``: each column-parallel Linear all-gathers its sequence-split input and saves
-    the whole gathered tensor for its weight gradient, from its forward until its backward
-    is done (PyTorch's ColwiseParallel gathers per Linear: q, k and v keep three).  Its
-    size: the Linear's input, the block's hidden states -- as big as the row-parallel
-    output of the same block."""
-    names = np.asarray(timeline.modules, object)
-    matmul = timeline.op_in(_MATMUL_OPS)
-    rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": []}
-    by_block: dict[str, tuple[float, bool]] = {}
-    for path, style in styles.items():
-        if style != "rowwise":
-            continue
-        code = np.flatnonzero(names == path)
-        mine = np.isin(timeline.module, code) & (timeline.phase == _FORWARD) & matmul
-        outputs = np.flatnonzero(mine)
-        if len(outputs):
-            by_block[path.rpartition(".")[0]] = (float(timeline.size[outputs[0]]),
-                                                 bool(timeline.scales_with_batch[outputs[0]]))
-    for path, style in styles.items():
-        block = path.rpartition(".")[0]
-        if style != "colwise" or block not in by_block:
-            continue
-        code = np.flatnonzero(names == path)
-        mine = np.isin(timeline.module, code)
-        forward = np.flatnonzero(mine & (timeline.phase == _FORWARD))
-        backward = np.flatnonzero(mine & (timeline.phase == _BACKWARD))
-        if not len(forward):
-            continue
-        size, scaled = by_block[block]
-        rows["size"].append(size)
-        rows["alloc_key"].append(float(timeline.alloc_key[forward].min()) - 0.5)
-        rows["free_key"].append(float(timeline.alloc_key[backward].max()) + 0.5
-                                if len(backward) else float(timeline.free_key[forward].max()))
-        rows["scales_with_batch"].append(scaled)
-    return _activation_rows(rows)
+def _collective_keys(timeline: Timeline, partial: np.ndarray, vocabulary, styles: dict,
+                     sequence_parallel: bool) -> np.ndarray:
+    """Where on the step's key axis each tensor-parallel collective runs: after each
+    partial sum (all-reduce), the embedding's lookup (all-reduce), the head's logits
+    (all-gather) and, with ``sp``, at each column-parallel Linear's first op (all-gather)."""
+    keys = [timeline.alloc_key[partial]]
+    for path in (vocabulary.embedding, vocabulary.head):
+        if path is not None and path in timeline.modules:
+            mine = (timeline.module == timeline.modules.index(path)) & (
+                timeline.phase == _FORWARD) & timeline.scales_with_batch
+            keys.append(timeline.alloc_key[mine][-1:] if mine.any() else np.zeros(0))
+    if sequence_parallel:
+        names = timeline.modules
+        for path, style in styles.items():
+            if style == "colwise" and path in names:
+                mine = (timeline.module == names.index(path)) & (timeline.phase == _FORWARD)
+                if mine.any():
+                    keys.append(np.array([timeline.alloc_key[mine].min()]))
+    out = np.sort(np.concatenate(keys)) if keys else np.zeros(0)
+    return out[out >= 0]
 
 
-def _kept_inputs(timeline: Timeline, kept: list[str]) -> dict:
-    """``sp``: a block left whole (fused-qkv attention) gets its input gathered to the whole
-    sequence, which its first Linear saves until its backward; as big as the block's
-    output (its last matmul in forward)."""
-    names = np.asarray(timeline.modules, object)
-    matmul = timeline.op_in(_MATMUL_OPS)
-    rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": []}
-    for path in kept:
-        codes = np.flatnonzero(inside_any(names, [path]))
-        mine = np.isin(timeline.module, codes)
-        forward = np.flatnonzero(mine & (timeline.phase == _FORWARD))
-        backward = np.flatnonzero(mine & (timeline.phase == _BACKWARD))
-        outputs = forward[matmul[forward]]
-        if not len(outputs):
-            continue
-        last = outputs[np.argmax(timeline.alloc_key[outputs])]
-        rows["size"].append(float(timeline.size[last]))
-        rows["alloc_key"].append(float(timeline.alloc_key[forward].min()) - 0.5)
-        rows["free_key"].append(float(timeline.alloc_key[backward].max()) + 0.5
-                                if len(backward) else float(timeline.free_key[forward].max()))
-        rows["scales_with_batch"].append(bool(timeline.scales_with_batch[last]))
-    return _activation_rows(rows)
-
-
-def _activation_rows(rows: dict) -> dict:
-    """Lists of sizes, keys and batch flags as the forward activation rows to append."""
-    count = len(rows["size"])
-    return {"size": np.array(rows["size"]), "alloc_key": np.array(rows["alloc_key"]),
-            "free_key": np.array(rows["free_key"]),
-            "category": np.full(count, _ACTIVATION, np.int8),
-            "phase": np.full(count, _FORWARD, np.int8),
-            "scales_with_batch": np.array(rows["scales_with_batch"], bool)}
+def held_until(collective_keys: np.ndarray, key: float) -> float | None:
+    """gloo: what a collective at ``key`` used is freed by its worker thread, which a
+    busy main thread can leave unscheduled until the rank's next collective (measured:
+    gpt_lm ``tp=2`` rank 0 frees the head's gathered logits after the backward's first
+    all-reduce, rank 1 at once).  Just after that next collective's copy is made; None
+    where no collective follows in the step."""
+    at = int(np.searchsorted(collective_keys, key, side="right"))
+    return float(collective_keys[at]) + 0.75 if at < len(collective_keys) else None
 
 
 def communication_seconds(notes: dict, accum: int, link_bytes_s: float) -> float:

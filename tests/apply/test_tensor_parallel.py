@@ -105,6 +105,59 @@ def test_fused_qkv_attention_is_kept_with_the_reason_and_its_mlp_split():
     assert "kept replicated" in tensor_parallel.describe(layout)
 
 
+class LanguageModel(nn.Module):
+    """Embedding, two blocks, final norm, head: the shape tp splits along the vocabulary."""
+    def __init__(self, vocab=32, tied=False, padding_idx=None, head_bias=False):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, 16, padding_idx=padding_idx)
+        self.pos_embeddings = nn.Embedding(8, 16)
+        self.layers = nn.ModuleList([Block(Attention()), Block(Attention())])
+        self.norm = nn.LayerNorm(16)
+        self.output = nn.Linear(16, vocab, bias=head_bias)
+        if tied:
+            self.output.weight = self.tok_embeddings.weight
+
+
+def test_embedding_and_head_are_split_along_the_vocabulary():
+    layout = tensor_parallel.find_layout(LanguageModel(), 2)
+    # the token embedding (the larger one), not the position embedding
+    assert (layout.embedding, layout.head, layout.tied) == ("tok_embeddings", "output", False)
+    assert layout.linear_paths()["output"] == "colwise"
+    assert "tok_embeddings" in layout.split_paths() and "pos_embeddings" not in layout.split_paths()
+    assert "tok_embeddings and output split along the vocabulary" in tensor_parallel.describe(
+        layout)
+    biased = tensor_parallel.find_layout(LanguageModel(head_bias=True), 2)
+    assert biased.head == "output"
+
+
+def test_tied_embedding_and_head_are_split_together():
+    layout = tensor_parallel.find_layout(LanguageModel(tied=True), 2)
+    assert (layout.embedding, layout.head, layout.tied) == ("tok_embeddings", "output", True)
+    assert "tied weight, one shared shard" in tensor_parallel.describe(layout)
+
+
+@pytest.mark.parametrize("model, tp, words", [
+    (LanguageModel(padding_idx=0), 2, "padding_idx"),
+    (LanguageModel(vocab=30), 4, "not divisible by tp"),
+])
+def test_an_embedding_that_cannot_be_split_stays_whole_with_the_reason(model, tp, words):
+    if tp == 4:  # heads (4) and kv heads (2) must divide too: a model tp=4 can split
+        for block in model.layers:
+            block.attention.n_kv_heads = 4
+            block.attention.wk = nn.Linear(16, 16, bias=False)
+            block.attention.wv = nn.Linear(16, 16, bias=False)
+    layout = tensor_parallel.find_layout(model, tp)
+    assert layout.embedding is None and words in layout.vocabulary_kept["tok_embeddings"]
+    assert f"tok_embeddings kept replicated ({layout.vocabulary_kept['tok_embeddings']})" \
+        in tensor_parallel.describe(layout)
+
+
+def test_a_tied_pair_stays_whole_together_when_one_cannot_be_split():
+    layout = tensor_parallel.find_layout(LanguageModel(tied=True, padding_idx=0), 2)
+    assert layout.embedding is None and layout.head is None and not layout.tied
+    assert "tied to tok_embeddings" in layout.vocabulary_kept["output"]
+
+
 @pytest.mark.parametrize("model, words", [
     (nn.Sequential(Block(Attention(heads=False))), "no head-count attribute"),
     (nn.Sequential(Block(Attention(n_heads=4, n_kv_heads=1))), "n_kv_heads=1, not divisible"),

@@ -17,12 +17,13 @@ def tp_zero3() -> dict:
 
 
 def _expected_states_bytes() -> int:
-    """16 B/parameter: q, k, v, o and the MLP's three Linears split over tp then sharded
-    over dp (world ranks in all); embedding, head and norms replicated over tp, sharded
-    over dp (world / tp ranks)."""
+    """16 B/parameter: q, k, v, o, the MLP's three Linears, the embedding and the head
+    (split along the vocabulary) split over tp then sharded over dp (world ranks in all);
+    the norms replicated over tp, sharded over dp (world / tp ranks)."""
     head_dim = DIM // HEADS
-    split = LAYERS * (2 * DIM * DIM + 2 * DIM * KV_HEADS * head_dim + 3 * DIM * FFN)
-    replicated = 2 * VOCAB * DIM + (2 * LAYERS + 1) * DIM
+    split = LAYERS * (2 * DIM * DIM + 2 * DIM * KV_HEADS * head_dim + 3 * DIM * FFN) \
+        + 2 * VOCAB * DIM
+    replicated = (2 * LAYERS + 1) * DIM
     return 16 * split // WORLD + 16 * replicated // (WORLD // TP)
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from .cli_runs import ROOT, run_cli
-from memadvisor.plan import Plan, tensor_parallel_blocks
+from memadvisor.plan import Plan, tensor_parallel_blocks, tensor_parallel_vocabulary
 from memadvisor.simulate import prepare, simulate
 from memadvisor.simulate.hardware import hardware
 from memadvisor.simulate.simulator import quick_simulate
@@ -18,9 +18,6 @@ GPT = os.path.join(ROOT, "examples", "gpt_lm.py")
 GPT_ARGS = ["--n-layer", "2", "--d-model", "64", "--batch-size", "8", "--device", "cpu"]
 #: the issue's target for the analytic prediction against the measured per-rank peak
 ANALYTIC_TARGET = 0.05
-#: sp: measured 2026-11-26 +2.8%/+5.7% (llama, rank 0/1: gloo frees an all-gather's
-#: output late on one rank, a race) and +3.6% (gpt); the target is not met on every rank
-SEQUENCE_PARALLEL_TOLERANCE = 0.08
 
 
 _cli = run_cli
@@ -51,28 +48,51 @@ def test_split_model_state_and_all_reduce_volume_follow_the_model(traces):
     blocks = tensor_parallel_blocks(found["llama"].meta.modules)
     styles = blocks.linear_styles()
     assert len(styles) == 14  # per layer q, k, v, out + w1, w3, w2
+    vocabulary = tensor_parallel_vocabulary(found["llama"].meta.modules, blocks)
+    assert (vocabulary.embedding, vocabulary.head, vocabulary.tied) == (
+        "tok_embeddings", "output", False)
     modules = dict(model.named_modules())
-    split_bytes = sum(4 * p.numel() for path in styles for p in modules[path].parameters())
+    split = list(styles) + ["tok_embeddings", "output"]
+    split_bytes = sum(4 * p.numel() for path in split for p in modules[path].parameters())
     total_bytes = sum(4 * p.numel() for p in model.parameters())
 
     prediction = simulate(base, Plan.parse("tp=2,world=2"))
-    # parameters and Adam's two moments: the split Linears' halves, the rest whole
+    # parameters and Adam's two moments: the split Linears', the embedding's and the
+    # head's halves, the norms whole
     assert prediction.by_category["parameter"] == total_bytes - split_bytes // 2
     state = prediction.by_category["optimizer_state"]
     unmodified = simulate(base, Plan()).by_category["optimizer_state"]
     assert unmodified - state == split_bytes  # 2 moments x half of the split bytes
 
-    # forward: each row-parallel output ([B, S, dim] fp32) all-reduced once per block;
-    # backward: each column-parallel Linear's input gradient (q, k, v, w1, w3), same size
-    batch, seq, dim = 8, 32, model.params.dim
+    # forward: each row-parallel output ([B, S, dim] fp32) all-reduced once per block, and
+    # the embedding's lookup; backward: each column-parallel Linear's input gradient (q, k,
+    # v, w1, w3 and the head), same size; the logits ([B, S, vocab]) all-gathered
+    batch, seq, dim, vocab = 8, 32, model.params.dim, model.params.vocab_size
     activation = 4 * batch * seq * dim
     layers = model.params.n_layers
     notes = prediction.notes["tensor_parallel"]
-    assert notes["all_reduce_bytes_forward"] == 2 * layers * activation
-    assert notes["all_reduce_bytes_backward"] == 5 * layers * activation
-    assert notes["communication_bytes_per_micro_step"] == 7 * layers * activation  # ring, T=2
+    assert notes["vocabulary_split"] == ["tok_embeddings", "output"]
+    assert notes["all_reduce_bytes_forward"] == (2 * layers + 1) * activation
+    assert notes["all_reduce_bytes_backward"] == (5 * layers + 1) * activation
+    assert notes["all_gather_bytes_forward"] == 4 * batch * seq * vocab
+    assert notes["communication_bytes_per_micro_step"] == (  # ring, T=2
+        (7 * layers + 2) * activation + 4 * batch * seq * vocab / 2)
     assert any(what.startswith("tp=2 all-reduces") and seconds > 0
                for what, seconds in prediction.cost.terms)
+
+
+def test_tied_embedding_and_head_are_found_and_split_once(traces):
+    found, _ = traces
+    modules = found["gpt"].meta.modules
+    vocabulary = tensor_parallel_vocabulary(modules, tensor_parallel_blocks(modules))
+    assert (vocabulary.embedding, vocabulary.head, vocabulary.tied) == ("tok_emb", "lm_head",
+                                                                        True)
+    base = prepare(found["gpt"])
+    tp = simulate(base, Plan.parse("tp=2,world=2")).by_category["parameter"]
+    whole = simulate(base, Plan()).by_category["parameter"]
+    # the tied weight (256 x 64 fp32) once, halved, with the MLPs' Linears
+    mlp_bytes = 2 * 4 * (64 * 256 + 256 + 256 * 64)  # fc (weight, bias), proj weight
+    assert whole - tp == (4 * 256 * 64 + mlp_bytes) // 2
 
 
 def test_fused_qkv_attention_is_predicted_replicated_as_apply_keeps_it(traces):
@@ -99,19 +119,29 @@ def test_plans_without_tp_are_untouched_and_tp_is_replayed_not_bounded(traces):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, script, args", [("llama", LLAMA, []), ("gpt", GPT, GPT_ARGS)])
-@pytest.mark.parametrize("plan, tolerance", [("tp=2,world=2", ANALYTIC_TARGET),
-                                             ("tp=2,world=2,sp", SEQUENCE_PARALLEL_TOLERANCE)])
-def test_predicted_peak_per_rank_against_apply_profile(traces, name, script, args, plan,
-                                                       tolerance):
+@pytest.mark.parametrize("name, script, args, plan", [
+    ("llama", LLAMA, [], "tp=2,world=2"), ("gpt", GPT, GPT_ARGS, "tp=2,world=2"),
+    ("llama", LLAMA, [], "tp=2,world=2,sp"), ("gpt", GPT, GPT_ARGS, "tp=2,world=2,sp"),
+    ("llama", LLAMA, [], "tp=2,shard=zero3,world=4")])
+def test_predicted_peak_per_rank_against_apply_profile(traces, name, script, args, plan):
+    """gloo's worker thread frees what an all-gather used when it is next scheduled, at
+    once or (main thread busy) after the rank's next collective: a race each rank may lose
+    (measured: gpt_lm tp=2 rank 0 held the head's gathered logits into the backward, rank
+    1 did not).  ``peak_bytes`` is the late outcome, the note the prompt one; every rank
+    measures one of the two."""
     found, folder = traces
     tag = f"{name}_{plan.replace('=', '').replace(',', '_')}"
     measured_path = folder / f"{tag}.trace"
     _cli("apply", script, "--plan", plan, "-o", folder / f"{tag}.py", "-q",
          "--profile", measured_path, "--profile-steps", "3", "--", *args, "--steps", "5")
-    predicted = simulate(prepare(found[name]), Plan.parse(plan)).peak_bytes
-    for path in (measured_path, folder / f"{tag}.rank1.trace"):
+    prediction = simulate(prepare(found[name]), Plan.parse(plan))
+    late = prediction.peak_bytes
+    prompt = prediction.notes["peak_bytes_if_collectives_free_at_once"]
+    assert prompt <= late
+    ranks = Plan.parse(plan).world
+    for path in [measured_path] + [folder / f"{tag}.rank{r}.trace" for r in range(1, ranks)]:
         trace = read_trace(str(path))
         measured = trace.meta.steps[analysed_step(trace)]["peak_bytes"]
-        assert abs(predicted - measured) / measured <= tolerance, (name, plan, predicted,
-                                                                  measured)
+        nearest = min(abs(late - measured), abs(prompt - measured)) / measured
+        assert nearest <= ANALYTIC_TARGET, (name, plan, path.name, late, prompt, measured)
+        assert prompt * (1 - ANALYTIC_TARGET) <= measured <= late * (1 + ANALYTIC_TARGET)
