@@ -41,7 +41,7 @@ from collections import Counter
 
 import numpy as np
 
-from ..plan import Plan, tensor_parallel_blocks, tensor_parallel_vocabulary
+from ..plan import Plan, module_entries, tensor_parallel_blocks, tensor_parallel_vocabulary
 from ..trace import schema
 from .module_paths import inside_any
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
@@ -96,6 +96,9 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules,
     whole_partials = flowing & matmul & ~split_vocabulary & (
         ((phase == _FORWARD) & rowwise) | ((phase == _BACKWARD) & colwise))
     split_flowing = flowing & in_region & ~whole_partials
+    free_key = timeline.free_key.copy()
+    views, free_key = _repeat_views(timeline, blocks, modules, tp, free_key)
+    split_flowing &= ~views
     edges = None
     if plan.sp:
         stack = sorted({r.rpartition(".")[0] for r in regions})
@@ -112,10 +115,14 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules,
     factor = np.ones(len(timeline))
     factor[split_gradients | split_flowing | split_vocabulary] = 1.0 / tp
     factor *= _state_factors(timeline, split_gradients, tp)
-    out = timeline
     if edges is not None:
-        override, free_key, _ = edges
+        override, edge_free_key, _ = edges
         factor = np.where(np.isnan(override), factor, override)
+        # the edges only shorten (a norm's output), the repeat views only lengthen
+        free_key = np.where(edge_free_key < timeline.free_key, edge_free_key, free_key)
+    factor[views] = 0.0
+    out = timeline
+    if (free_key != timeline.free_key).any():
         out = out.retimed(timeline.alloc_key, free_key)
     out = out.resized(timeline.size * factor)
 
@@ -191,6 +198,39 @@ def _state_factors(timeline: Timeline, split_gradients: np.ndarray, tp: int) -> 
         rows = state_like & (timeline.size == size)
         factors[rows] = 1.0 - fraction * (1.0 - 1.0 / tp)
     return factors
+
+
+def _repeat_views(timeline: Timeline, blocks, modules, tp: int, free_key: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Grouped-query attention repeats each K/V head n_rep times with ``expand`` then
+    ``reshape`` (Llama's ``repeat_kv``, HF's ``repeat_kv``): a copy, of shape (..., n_kv,
+    n_rep, ...) in the trace, unless one K/V head is left: then the expanded dimension
+    merges with a dimension of size 1 and the reshape is a view (measured: llama_decoder
+    tp=2, 2 K/V heads, no ``aten::clone`` in the split run; the repeated K/V then are the
+    rotary output and the value projection, saved in the copy's place).  Returns (rows that
+    vanish, free keys with their sources kept until the copy's free)."""
+    views = np.zeros(len(timeline), bool)
+    reads = timeline.reads
+    if reads is None or not blocks.attention:
+        return views, free_key
+    counts = {m.path: m.total_parameter_count for m in module_entries(modules)}
+    clone = timeline.op_in(("aten::clone",)) & (timeline.phase == _FORWARD)
+    names = timeline.modules
+    for path, roles in blocks.attention.items():
+        query, key = (f"{path}.{n}" if path else n for n in roles["up"][:2])
+        if not counts.get(key) or counts[query] % counts[key]:
+            continue
+        repeats = counts[query] // counts[key]
+        if repeats < 2 or path not in names:
+            continue
+        for row in np.flatnonzero(clone & (timeline.module == names.index(path))):
+            dims = [int(d) for d in str(timeline.shape[row]).split(",") if d.strip().isdigit()]
+            if not any(h == tp and r == repeats for h, r in zip(dims, dims[1:])):
+                continue
+            views[row] = True
+            for source in reads.of(row):
+                free_key[source] = max(free_key[source], timeline.free_key[row])
+    return views, free_key
 
 
 def _collective_keys(timeline: Timeline, partial: np.ndarray, vocabulary, styles: dict,

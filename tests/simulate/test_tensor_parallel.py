@@ -3,11 +3,12 @@ model state, the all-reduce volume, and the peak against ``apply --plan tp=2 --p
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 from .cli_runs import ROOT, run_cli
 from memadvisor.plan import Plan, tensor_parallel_blocks, tensor_parallel_vocabulary
-from memadvisor.simulate import prepare, simulate
+from memadvisor.simulate import prepare, simulate, tensor_parallel
 from memadvisor.simulate.hardware import hardware
 from memadvisor.simulate.simulator import quick_simulate
 from memadvisor.trace.analysis import analysed_step
@@ -93,6 +94,23 @@ def test_tied_embedding_and_head_are_found_and_split_once(traces):
     # the tied weight (256 x 64 fp32) once, halved, with the MLPs' Linears
     mlp_bytes = 2 * 4 * (64 * 256 + 256 + 256 * 64)  # fc (weight, bias), proj weight
     assert whole - tp == (4 * 256 * 64 + mlp_bytes) // 2
+
+
+def test_repeated_kv_heads_are_views_when_each_rank_holds_one_kv_head(traces):
+    # llama_decoder: 2 K/V heads repeated twice by expand + reshape (a copy, aten::clone of
+    # (8, 32, 2, 2, 16)); at tp=2 each rank holds one and the reshape is a view, so the
+    # rotary K and the value projection are what attention saves instead
+    found, _ = traces
+    timeline = prepare(found["llama"]).timeline
+    modules = found["llama"].meta.modules
+    blocks = tensor_parallel_blocks(modules)
+    views, free_key = tensor_parallel._repeat_views(timeline, blocks, modules, 2,
+                                                    timeline.free_key.copy())
+    assert views.sum() == 4  # K and V of 2 layers
+    for row in np.flatnonzero(views):
+        assert timeline.shape[row] == "8,32,2,2,16"
+        for source in timeline.reads.of(row):
+            assert free_key[source] == timeline.free_key[row] > timeline.free_key[source]
 
 
 def test_fused_qkv_attention_is_predicted_replicated_as_apply_keeps_it(traces):
