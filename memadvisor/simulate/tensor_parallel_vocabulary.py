@@ -63,7 +63,8 @@ def transient_rows(timeline: Timeline, vocabulary: TensorParallelVocabulary, tp:
     if logits is not None:
         size = float(timeline.size[logits])
         key = float(timeline.alloc_key[logits])
-        end = max(held_until(key) or key, key) - 0.5  # _add frees at end + 0.5
+        later = held_until(key)  # _add frees half a key after its last key
+        end = later - 0.5 if later is not None and later > key + 0.5 else key
         _add(rows, size / tp, key, end, _FORWARD)  # the local logits
         _add(rows, size, key, end, _FORWARD)  # the all-gather's output, before the cat
         volume["all_gather_forward"] += size

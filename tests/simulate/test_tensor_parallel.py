@@ -11,6 +11,7 @@ from memadvisor.plan import Plan, tensor_parallel_blocks, tensor_parallel_vocabu
 from memadvisor.simulate import prepare, simulate, tensor_parallel
 from memadvisor.simulate.hardware import hardware
 from memadvisor.simulate.simulator import quick_simulate
+from memadvisor.simulate.tensor_parallel_vocabulary import transient_rows
 from memadvisor.trace.analysis import analysed_step
 from memadvisor.trace.io import read_trace
 
@@ -113,6 +114,26 @@ def test_repeated_kv_heads_are_views_when_each_rank_holds_one_kv_head(traces):
             assert free_key[source] == timeline.free_key[row] > timeline.free_key[source]
 
 
+def test_the_heads_gather_adds_its_buffers_freed_at_once_or_at_the_next_collective(traces):
+    found, _ = traces
+    timeline = prepare(found["gpt"]).timeline  # batch 8, seq 32, d_model 64, vocab 256
+    modules = found["gpt"].meta.modules
+    vocabulary = tensor_parallel_vocabulary(modules, tensor_parallel_blocks(modules))
+    logits, hidden = 4 * 8 * 32 * 256, 4 * 8 * 32 * 64
+    prompt, volume = transient_rows(timeline, vocabulary, 2)
+    assert volume == {"all_reduce_forward": hidden, "all_gather_forward": logits}
+    # the local lookup; the local logits (V/T) and the all-gather's output (V), around the
+    # logits' own allocation; in backward this rank's V/T columns of their gradient
+    assert sorted(prompt["size"]) == sorted([hidden, logits / 2, logits, logits / 2])
+    gathered = np.flatnonzero(np.isin(prompt["size"], [logits]))[0]
+    assert prompt["free_key"][gathered] - prompt["alloc_key"][gathered] == 1.0
+    later = prompt["alloc_key"][gathered] + 40.5
+    held, _ = transient_rows(timeline, vocabulary, 2, lambda key: later)
+    assert held["free_key"][gathered] == later
+    assert tensor_parallel.held_until(np.array([10.0, 20.0]), 12.0) == 20.75
+    assert tensor_parallel.held_until(np.array([10.0, 20.0]), 20.0) is None
+
+
 def test_fused_qkv_attention_is_predicted_replicated_as_apply_keeps_it(traces):
     found, _ = traces
     prediction = simulate(prepare(found["gpt"]), Plan.parse("tp=2,world=2"))
@@ -142,11 +163,12 @@ def test_plans_without_tp_are_untouched_and_tp_is_replayed_not_bounded(traces):
     ("llama", LLAMA, [], "tp=2,world=2,sp"), ("gpt", GPT, GPT_ARGS, "tp=2,world=2,sp"),
     ("llama", LLAMA, [], "tp=2,shard=zero3,world=4")])
 def test_predicted_peak_per_rank_against_apply_profile(traces, name, script, args, plan):
-    """gloo's worker thread frees what an all-gather used when it is next scheduled, at
-    once or (main thread busy) after the rank's next collective: a race each rank may lose
-    (measured: gpt_lm tp=2 rank 0 held the head's gathered logits into the backward, rank
-    1 did not).  ``peak_bytes`` is the late outcome, the note the prompt one; every rank
-    measures one of the two."""
+    """gloo's worker thread frees what an all-gather used when it is next scheduled: at
+    once, or (main thread busy) as late as the rank's next collective -- a race (measured
+    2026-11-26: gpt_lm tp=2 rank 0 held the head's gathered logits into the backward, rank
+    1 freed them at once; gpt_lm --vocab-size 8192 sp freed them two ops late on both).
+    ``peak_bytes`` is the late bound, the note the prompt figure; every rank measures
+    within the two (each case here has measured one of them to the byte)."""
     found, folder = traces
     tag = f"{name}_{plan.replace('=', '').replace(',', '_')}"
     measured_path = folder / f"{tag}.trace"
@@ -160,6 +182,5 @@ def test_predicted_peak_per_rank_against_apply_profile(traces, name, script, arg
     for path in [measured_path] + [folder / f"{tag}.rank{r}.trace" for r in range(1, ranks)]:
         trace = read_trace(str(path))
         measured = trace.meta.steps[analysed_step(trace)]["peak_bytes"]
-        nearest = min(abs(late - measured), abs(prompt - measured)) / measured
-        assert nearest <= ANALYTIC_TARGET, (name, plan, path.name, late, prompt, measured)
-        assert prompt * (1 - ANALYTIC_TARGET) <= measured <= late * (1 + ANALYTIC_TARGET)
+        assert prompt * (1 - ANALYTIC_TARGET) <= measured <= late * (1 + ANALYTIC_TARGET), \
+            (name, plan, path.name, late, prompt, measured)
