@@ -205,8 +205,11 @@ def test_tp2_and_sp_on_two_ranks_train_as_the_unmodified_run(tmp_path):
 
 @pytest.mark.slow
 def test_tp2_with_fsdp_on_four_ranks_is_two_dimensional(tmp_path):
-    jobs = [(LLAMA, "tp=2,shard=zero3,world=4", [])]
-    [params] = run_distributed(jobs, 4, tmp_path)
-    original = run_original(LLAMA, [])
-    assert same_math_error(params, original, _parts(Plan.parse(jobs[0][1]))) <= 1, \
-        relative_error(params, original)
+    # gpt_lm: the tied embedding/head weight, split along the vocabulary over tp, then
+    # sharded by FSDP over dp as one parameter of the root
+    jobs = [(LLAMA, "tp=2,shard=zero3,world=4", []), (GPT, "tp=2,shard=zero3,world=4", GPT_ARGS)]
+    results = run_distributed(jobs, 4, tmp_path)
+    for (script, plan, args), params in zip(jobs, results):
+        original = run_original(script, args)
+        assert same_math_error(params, original, _parts(Plan.parse(plan))) <= 1, \
+            (script.name, relative_error(params, original))
