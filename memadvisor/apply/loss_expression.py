@@ -60,6 +60,9 @@ class LossFunction:
     targets: list[str]  #: batch names the expression reads (as the micro-batch loop names them)
     output: str  #: the function's first parameter: the name the output is assigned to
     function_name: str = FUNCTION_NAME
+    #: ``with CONTEXT:`` around the model call and (part of) the loss (autocast): the
+    #: pipeline enters it around each stage's forward, the function around the loss
+    context: cst.BaseExpression | None = None
 
 
 def _is_model_call(call: cst.Call, models: list[str]) -> bool:
@@ -113,27 +116,30 @@ def analyse(finder, found, plan_text: str) -> LossFunction | None:
     first = holders[0]
     statements = inside[inside.index(first):]
     where = f"pp ({plan_text}): line {finder.line(first)}"
+    context = None
+    checked = list(statements)  #: the statements checked one by one: a with block's body
     if not isinstance(first, cst.SimpleStatementLine):
-        if len(statements) == 1 and _binds_directly(finder, first, models, backward.loss):
-            return None  # ``with ctx: _, loss = model(x, y)``: the output holds the loss
-        raise NotPipelinable(
-            f"{where}: the model is called inside a `{_keyword(first)}` block; the pipeline "
-            "computes the script's loss on its last stage per micro-batch, from statements "
-            "that assign names only (move the model call and the loss out of the block)")
+        try:
+            context, body = _context(finder, first, models, where)
+        except NotPipelinable:
+            if len(statements) == 1 and _binds_directly(finder, first, models, backward.loss):
+                return None  # the output holds the loss (checked at run time)
+            raise
+        checked = [*body, *statements[1:]]
     calls = [c for c in collect(first, cst.Call) if _is_model_call(c, models)]
     if len(calls) > 1:
         raise NotPipelinable(f"{where}: the model is called {len(calls)} times in one "
                              "statement; a pipeline runs one forward per micro-batch")
     call = calls[0]
-    if len(statements) == 1 and _binds_directly(finder, first, models, backward.loss):
-        return None
+    if len(checked) == 1 and _binds_directly(finder, checked[0], models, backward.loss):
+        return None  # ``_, loss = model(x, y)`` (in ``with ctx:`` too): the output's loss
     if not isinstance(backward.loss, cst.Name):
         raise NotPipelinable(
             f"pp ({plan_text}): line {finder.line(backward_statement)}: "
             f"`{_code(finder, backward.loss)}.backward()` is called on an expression; assign "
             "the loss to a name first so the pipeline's loss function can return it")
     bound: set[str] = set()
-    for statement in statements:
+    for statement in checked:
         _check_statement(finder, statement, bound, plan_text)
         _check_reads_no_model(finder, statement, call, models, plan_text)
         bound |= set(_bound(statement))
@@ -143,10 +149,10 @@ def analyse(finder, found, plan_text: str) -> LossFunction | None:
             f"`{backward.loss.value}` is not assigned between the model call (line "
             f"{finder.line(first)}) and the backward, so it cannot be computed per micro-batch")
     _check_not_read_later(finder, statements, bound - {backward.loss.value}, plan_text)
-    small = first.body[0]
+    small = checked[0].body[0]
     output = OUTPUT_NAME
-    if (isinstance(small, cst.Assign) and small.value is call and len(small.targets) == 1
-            and isinstance(small.targets[0].target, cst.Name)):
+    if (context is None and isinstance(small, cst.Assign) and small.value is call
+            and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name)):
         output = small.targets[0].target.value
     batch = set(found.batch)
     targets = []
@@ -157,7 +163,24 @@ def analyse(finder, found, plan_text: str) -> LossFunction | None:
                 targets.append(renamed)
     taken = {n.value for n in finder.nodes(cst.Name)}
     return LossFunction(statements, call, backward.loss.value, targets, output,
-                        _free(FUNCTION_NAME, taken))
+                        _free(FUNCTION_NAME, taken), context)
+
+
+def _context(finder, statement, models, where: str):
+    """``with CONTEXT:`` whose body starts with the model call (the autocast pattern):
+    the context expression and the body's statements; NotPipelinable for other blocks."""
+    body = getattr(getattr(statement, "body", None), "body", ())
+    holds_call = bool(body) and any(_is_model_call(c, models) for c in collect(body[0], cst.Call))
+    if not (isinstance(statement, cst.With) and statement.asynchronous is None
+            and len(statement.items) == 1 and statement.items[0].asname is None
+            and isinstance(statement.body, cst.IndentedBlock) and holds_call):
+        raise NotPipelinable(
+            f"{where}: the model is called inside a `{_keyword(statement)}` block; the "
+            "pipeline computes the script's loss on its last stage per micro-batch, from "
+            "statements that assign names only, under at most one `with CONTEXT:` (no `as`) "
+            "that begins with the model call (move the model call and the loss out of the "
+            "block)")
+    return statement.items[0].item, list(body)
 
 
 def _free(name: str, taken: set[str]) -> str:
@@ -284,7 +307,8 @@ def _check_not_read_later(finder, statements, names: set[str], plan_text: str) -
     if not names:
         return
     scope = finder.enclosing(statements[0], SCOPES)
-    moved = {id(s) for s in statements}
+    moved = {id(n) for s in statements
+             for n in collect(s, (cst.SimpleStatementLine, cst.BaseCompoundStatement))}
     bound_elsewhere: set[str] = set()
     reads: list[tuple[str, object]] = []
     for statement in finder.statements:
@@ -344,7 +368,7 @@ def pipeline_statements(loss: LossFunction, updated: list, alias: str) -> list:
     first = updated[0]
     call = next(c for c in collect(first, cst.Call)
                 if _same_call(c, loss.call))
-    small = first.body[0]
+    small = first.body[0] if isinstance(first, cst.SimpleStatementLine) else None
     body = list(updated[1:])
     if not (isinstance(small, cst.Assign) and small.value is call
             and loss.output != OUTPUT_NAME):
@@ -355,10 +379,15 @@ def pipeline_statements(loss: LossFunction, updated: list, alias: str) -> list:
     function = cst.FunctionDef(
         name=cst.Name(loss.function_name), params=cst.Parameters(params),
         body=cst.IndentedBlock(body=body), leading_lines=first.leading_lines)
-    with_loss = cst.Call(
-        func=cst.Attribute(cst.Name(alias), cst.Name("with_loss")),
-        args=_commas([cst.Arg(call.func), cst.Arg(cst.Name(loss.function_name)),
-                      *(cst.Arg(cst.Name(t)) for t in loss.targets)]))
+    args = [cst.Arg(call.func), cst.Arg(cst.Name(loss.function_name)),
+            *(cst.Arg(cst.Name(t)) for t in loss.targets)]
+    if loss.context is not None:  # as the script has it: evaluated where the forward runs
+        context = first.items[0].item
+        args.append(cst.Arg(cst.Lambda(cst.Parameters(), context), keyword=cst.Name("context"),
+                            equal=cst.AssignEqual(cst.SimpleWhitespace(""),
+                                                  cst.SimpleWhitespace(""))))
+    with_loss = cst.Call(func=cst.Attribute(cst.Name(alias), cst.Name("with_loss")),
+                         args=_commas(args))
     statement = cst.SimpleStatementLine([cst.Assign(
         targets=[cst.AssignTarget(cst.Name(loss.loss))],
         value=call.with_changes(func=with_loss))])

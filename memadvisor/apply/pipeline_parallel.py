@@ -39,6 +39,7 @@ saves; and ``target`` is one tensor where a loss may read several.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -103,13 +104,15 @@ class _Stage(nn.Module):
         self.position = position
         self.received = None
         self.loss_fn = None  #: the script's loss function (set for each step: ``with_loss``)
+        self.context = None  #: makes the script's ``with`` context around its forward, or None
 
     def forward(self, *received, **kwargs):
         args = [kwargs.pop(f"{_ARG}{i}") for i in range(self.num_args)]
         targets = [kwargs.pop(f"{_TARGET}{i}") for i in range(self.num_targets)]
         self.received = received[0] if received else None
         try:
-            output = self.model(*args, **kwargs)
+            with _entered(self.context):
+                output = self.model(*args, **kwargs)
         except _StageDone as done:
             return done.output
         finally:
@@ -191,7 +194,7 @@ class PipelineModel(nn.Module):
         return hook
 
     # --- the schedule --------------------------------------------------------------------
-    def _build(self, kwargs: dict, batch_size: int, loss_fn=None):
+    def _build(self, kwargs: dict, batch_size: int, loss_fn=None, context=None):
         """On the first batch: a no-grad run of one micro-batch through the model as this
         rank holds it (other stages' blocks skipped) finds the stream's shape and the loss
         in the output (or checks the script's loss function gives one); every rank runs the
@@ -213,7 +216,8 @@ class PipelineModel(nn.Module):
         self.dry_run = True
         try:
             with torch.no_grad():
-                output = self.module(*args, **first)
+                with _entered(context):
+                    output = self.module(*args, **first)
                 position = (("loss_fn", None) if loss_fn is not None
                             else _loss_position(output))
                 if loss_fn is not None:
@@ -248,19 +252,20 @@ class PipelineModel(nn.Module):
     def forward(self, *args, **kwargs):
         return self._step(args, kwargs)
 
-    def forward_with_loss(self, loss_fn, targets: tuple, *args, **kwargs):
+    def forward_with_loss(self, loss_fn, targets: tuple, context, *args, **kwargs):
         """The model called by ``with_loss``: the schedule computes ``loss_fn(output,
-        *targets)`` on the last stage per micro-batch (each target cut as the inputs are);
-        returns the step's mean loss."""
+        *targets)`` on the last stage per micro-batch (each target cut as the inputs are),
+        every stage's forward in ``context()`` when given; returns the step's mean loss."""
         for index, target in enumerate(targets):
             if not isinstance(target, torch.Tensor):
                 raise PlanError(f"pp={self.num_stages}: the loss reads "
                                 f"`{_parameter_name(loss_fn, index + 1)}`, a "
                                 f"{type(target).__name__}, not a tensor the pipeline can cut "
                                 "into micro-batches")
-        return self._step(args, kwargs, loss_fn, targets)
+        return self._step(args, kwargs, loss_fn, targets, context)
 
-    def _step(self, args: tuple, kwargs: dict, loss_fn=None, targets: tuple = ()):
+    def _step(self, args: tuple, kwargs: dict, loss_fn=None, targets: tuple = (),
+              context=None):
         if not torch.is_grad_enabled():
             raise PlanError(f"pp={self.num_stages}: the pipelined model was called without "
                             "gradients (an evaluation under torch.no_grad): only training "
@@ -284,12 +289,13 @@ class PipelineModel(nn.Module):
         inputs.update(kwargs)
         inputs.update({f"{_TARGET}{i}": t for i, t in enumerate(targets)})
         if self.schedule is None:
-            self._build(inputs, batch_size, loss_fn)
+            self._build(inputs, batch_size, loss_fn, context)
             self.with_loss_function = loss_fn is not None
         if self.with_loss_function != (loss_fn is not None):
             raise PlanError(f"pp={self.num_stages}: the model is called both with the script's "
                             "loss function and without it; one pipeline runs one of them")
         self.stage.submod.loss_fn = loss_fn
+        self.stage.submod.context = context
         losses: list[torch.Tensor] = []
         target = torch.zeros(batch_size, device=self.device)
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
@@ -300,7 +306,7 @@ class PipelineModel(nn.Module):
             loss = torch.stack([l.detach().float() for l in losses]).mean()
         dist.broadcast(loss, src=self.num_stages - 1)  # world = pp: stage s is rank s
         loss._memadvisor_pipeline = True
-        self.stage.submod.loss_fn = None  # keeps none of the step's tensors alive
+        self.stage.submod.loss_fn = self.stage.submod.context = None  # keep nothing alive
         kind, where = self.position
         if kind in ("tensor", "loss_fn"):
             return loss
@@ -342,19 +348,29 @@ def _parameter_name(loss_fn, index: int) -> str:
     return names[index] if index < len(names) else f"argument {index}"
 
 
-def with_loss(model, loss_fn, *targets):
+def _entered(context):
+    """The script's ``with`` context made anew (``context()``), or nothing."""
+    return context() if context is not None else contextlib.nullcontext()
+
+
+def with_loss(model, loss_fn, *targets, context=None):
     """``model`` to call with ``loss_fn(output, *targets)`` as its loss: what the pp
     rewrite of a script-side loss calls (loss_expression.py).  Under a pipeline the schedule
     computes it on the last stage per micro-batch and the call returns the step's mean
-    loss; otherwise it is computed here, so the rewritten script runs under any plan."""
+    loss; otherwise it is computed here, so the rewritten script runs under any plan.
+    ``context``: makes the ``with`` context the script ran its forward in (autocast),
+    entered around the forward only -- the backward, which the pipeline runs inside the
+    call, ran outside it in the script."""
     pipeline = model if isinstance(model, PipelineModel) else getattr(model, "__self__", None)
     if isinstance(pipeline, PipelineModel):
         def run_pipeline(*args, **kwargs):
-            return pipeline.forward_with_loss(loss_fn, targets, *args, **kwargs)
+            return pipeline.forward_with_loss(loss_fn, targets, context, *args, **kwargs)
         return run_pipeline
 
     def run(*args, **kwargs):
-        return loss_fn(model(*args, **kwargs), *targets)
+        with _entered(context):
+            output = model(*args, **kwargs)
+        return loss_fn(output, *targets)
     return run
 
 

@@ -86,6 +86,22 @@ def test_a_loss_the_model_returns_keeps_the_plain_call():
     assert "with_loss" not in code
 
 
+def test_a_with_block_around_forward_and_loss_is_entered_by_the_pipeline():
+    """The autocast pattern (nanoGPT's ``with ctx:``): the loss function keeps the block,
+    and ``context=`` hands it to the pipeline for every stage's forward."""
+    code = _rewrite("with torch.autocast('cpu'):\n    logits, loss = model(x, y)\n"
+                    "    loss = loss / 4\nloss.backward()\noptimizer.step()\n")
+    lines = [l[8:] for l in _loop(code).splitlines()[3:9]]
+    assert lines == ["def memadvisor_loss(memadvisor_output):",
+                     "    with torch.autocast('cpu'):",
+                     "        logits, loss = memadvisor_output",
+                     "        loss = loss / 4",
+                     "    return loss",
+                     "loss = mem.with_loss(model, memadvisor_loss, "
+                     "context=lambda: torch.autocast('cpu'))(x, y)"]
+    compile(code, "train.py", "exec")
+
+
 def test_without_pp_the_rewrite_is_unchanged():
     code = _rewrite("loss = criterion(model(x), y)\nloss.backward()\noptimizer.step()\n",
                     Plan.parse("accum=2"))
@@ -104,8 +120,10 @@ def test_without_pp_the_rewrite_is_unchanged():
      "optimizer.step()\n", 11, "`print\\(logits.shape\\)` .* is not an assignment"),
     ("logits = model(x)\nstats['loss'] = loss = criterion(logits, y)\nloss.backward()\n"
      "optimizer.step()\n", 11, "assigns to an attribute or item"),
-    ("with torch.autocast('cpu'):\n    logits = model(x)\n    loss = criterion(logits, y)\n"
+    ("with torch.autocast('cpu') as cast:\n    logits = model(x)\n    loss = criterion(logits, y)\n"
      "loss.backward()\noptimizer.step()\n", 10, "called inside a `with` block"),
+    ("if step > 0:\n    logits = model(x)\n    loss = criterion(logits, y)\n"
+     "loss.backward()\noptimizer.step()\n", 10, "called inside a `if` block"),
     ("criterion(model(x), y).backward()\noptimizer.step()\n", 10,
      "calls the model and the backward in one expression; assign the loss to a name"),
 ])
@@ -137,3 +155,14 @@ def test_with_loss_outside_a_pipeline_is_the_loss_of_the_output():
     expected = loss_fn(model(x), y)
     assert torch.equal(pipeline_parallel.with_loss(model, loss_fn, y)(x), expected)
     assert torch.equal(pipeline_parallel.with_loss(model.forward, loss_fn, y)(x), expected)
+    entered = []
+
+    class Context:
+        def __enter__(self):
+            entered.append(torch.is_grad_enabled())
+
+        def __exit__(self, *exc):
+            return False
+    assert torch.equal(pipeline_parallel.with_loss(model, loss_fn, y, context=Context)(x),
+                       expected)
+    assert entered == [True]
