@@ -298,9 +298,14 @@ class PipelineModel(nn.Module):
         self.stage.submod.context = context
         losses: list[torch.Tensor] = []
         target = torch.zeros(batch_size, device=self.device)
+        earlier = self._set_aside_gradients()
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
         self.outputs.clear()
         self._sum_replicated_gradients()
+        for p in self.module.parameters():
+            before = earlier.get(id(p))
+            if before is not None:  # in place, as autograd accumulates into .grad
+                p.grad = before if p.grad is None else before.add_(p.grad)
         loss = torch.zeros((), device=self.device)
         if losses:
             loss = torch.stack([l.detach().float() for l in losses]).mean()
@@ -316,6 +321,19 @@ class PipelineModel(nn.Module):
         length, index = where
         values = [loss if i == index else None for i in range(length)]
         return tuple(values) if kind == "tuple" else values
+
+    def _set_aside_gradients(self) -> dict[int, torch.Tensor]:
+        """The gradients from earlier pipeline calls of this optimizer step (a script that
+        accumulates itself: nanoGPT's ``gradient_accumulation_steps``), by parameter id,
+        taken off the parameters: the schedule divides every gradient of the stage by M
+        (``scale_grads``), and the replicated layers' were summed over the stages already;
+        only this call's part may be."""
+        earlier = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                earlier[id(p)] = p.grad
+                p.grad = None
+        return earlier
 
     def _sum_replicated_gradients(self):
         """The layers outside the stack: only the first and last stages compute their
