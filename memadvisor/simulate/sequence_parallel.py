@@ -82,7 +82,7 @@ def edge_changes(timeline: Timeline, stack: list[str], rerouted: np.ndarray, tp:
                 and timeline.free_key[row] > start and in_stack[reader[read == row]].all()):
             factor[row] = 1.0 / tp
             _add(rows, timeline.size[row] * (1 - 1.0 / tp), timeline.alloc_key[row],
-                 max(first_end, start), _FORWARD)
+                 max(first_end, start), _FORWARD, timeline.module[row])
 
     # the gather: made in the last block, read after it only by what follows the blocks
     made_last = starts[last][2] & batch_activation
@@ -91,7 +91,7 @@ def edge_changes(timeline: Timeline, stack: list[str], rerouted: np.ndarray, tp:
         if len(mine) and not in_stack[mine].any():
             factor[row] = 1.0
             _add(rows, timeline.size[row] / tp, timeline.alloc_key[row],
-                 timeline.alloc_key[row], _FORWARD)
+                 timeline.alloc_key[row], _FORWARD, timeline.module[row])
 
     # what the gathering Linears read: freed after its last read by anything else
     for row in np.unique(read[rerouted[reader] & forward[reader]]):
@@ -114,7 +114,7 @@ def gathered_inputs(timeline: Timeline, styles: dict[str, str]) -> dict:
     same block."""
     names = np.asarray(timeline.modules, object)
     matmul = timeline.op_in(_MATMUL_OPS)
-    rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": []}
+    rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": [], "module": []}
     by_block: dict[str, tuple[float, bool]] = {}
     for path, style in styles.items():
         if style != "rowwise":
@@ -137,6 +137,7 @@ def gathered_inputs(timeline: Timeline, styles: dict[str, str]) -> dict:
             continue
         size, scaled = by_block[block]
         rows["size"].append(size)
+        rows["module"].append(int(timeline.module[forward[0]]))  # the Linear
         rows["alloc_key"].append(float(timeline.alloc_key[forward].min()) - 0.5)
         rows["free_key"].append(float(timeline.alloc_key[backward].max()) + 0.5
                                 if len(backward) else float(timeline.free_key[forward].max()))
@@ -150,7 +151,7 @@ def kept_inputs(timeline: Timeline, kept: list[str]) -> dict:
     output (its last matmul in forward)."""
     names = np.asarray(timeline.modules, object)
     matmul = timeline.op_in(_MATMUL_OPS)
-    rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": []}
+    rows = {"size": [], "alloc_key": [], "free_key": [], "scales_with_batch": [], "module": []}
     for path in kept:
         codes = np.flatnonzero(inside_any(names, [path]))
         mine = np.isin(timeline.module, codes)
@@ -161,6 +162,7 @@ def kept_inputs(timeline: Timeline, kept: list[str]) -> dict:
             continue
         last = outputs[np.argmax(timeline.alloc_key[outputs])]
         rows["size"].append(float(timeline.size[last]))
+        rows["module"].append(int(timeline.module[forward[0]]))
         rows["alloc_key"].append(float(timeline.alloc_key[forward].min()) - 0.5)
         rows["free_key"].append(float(timeline.alloc_key[backward].max()) + 0.5
                                 if len(backward) else float(timeline.free_key[forward].max()))
@@ -175,14 +177,17 @@ def activation_rows(rows: dict) -> dict:
             "free_key": np.array(rows["free_key"]),
             "category": np.full(count, _ACTIVATION, np.int8),
             "phase": np.full(count, _FORWARD, np.int8),
+            "module": np.array(rows["module"], np.int32),
             "scales_with_batch": np.array(rows["scales_with_batch"], bool)}
 
 
 def _new_rows() -> dict:
-    return {"size": [], "alloc_key": [], "free_key": [], "phase": []}
+    return {"size": [], "alloc_key": [], "free_key": [], "phase": [], "module": []}
 
 
-def _add(rows: dict, size: float, first_key: float, last_key: float, phase: int) -> None:
+def _add(rows: dict, size: float, first_key: float, last_key: float, phase: int,
+         module: int) -> None:
+    rows["module"].append(int(module))
     rows["size"].append(float(size))
     rows["alloc_key"].append(float(first_key) - 0.5)
     rows["free_key"].append(float(last_key) + 0.5)
@@ -196,4 +201,5 @@ def _as_arrays(rows: dict) -> dict:
             "free_key": np.array(rows["free_key"], float),
             "category": np.full(count, _TEMPORARY, np.int8),
             "phase": np.array(rows["phase"], np.int8),
+            "module": np.array(rows["module"], np.int32),
             "scales_with_batch": np.ones(count, bool)}

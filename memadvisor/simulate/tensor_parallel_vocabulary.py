@@ -51,13 +51,13 @@ def transient_rows(timeline: Timeline, vocabulary: TensorParallelVocabulary, tp:
     ({"all_reduce_forward": ..., "all_gather_forward": ...}).  ``held_until(key)``: where
     a backend's worker thread frees what the collective at ``key`` used, None: at once."""
     rows = {"size": [], "alloc_key": [], "free_key": [], "phase": [],
-            "scales_with_batch": []}
+            "scales_with_batch": [], "module": []}
     volume = {"all_reduce_forward": 0.0, "all_gather_forward": 0.0}
     embedding = _output(timeline, vocabulary.embedding, _FORWARD)
     if embedding is not None:  # the local lookup, beside its all-reduced sum
         size = float(timeline.size[embedding])
         _add(rows, size, timeline.alloc_key[embedding], timeline.alloc_key[embedding],
-             _FORWARD)
+             _FORWARD, timeline.module[embedding])
         volume["all_reduce_forward"] += size
     logits = _output(timeline, vocabulary.head, _FORWARD)
     if logits is not None:
@@ -65,24 +65,28 @@ def transient_rows(timeline: Timeline, vocabulary: TensorParallelVocabulary, tp:
         key = float(timeline.alloc_key[logits])
         later = held_until(key)  # _add frees half a key after its last key
         end = later - 0.5 if later is not None and later > key + 0.5 else key
-        _add(rows, size / tp, key, end, _FORWARD)  # the local logits
-        _add(rows, size, key, end, _FORWARD)  # the all-gather's output, before the cat
+        head = timeline.module[logits]
+        _add(rows, size / tp, key, end, _FORWARD, head)  # the local logits
+        _add(rows, size, key, end, _FORWARD, head)  # the all-gather's output, before the cat
         volume["all_gather_forward"] += size
         backward = _rows(timeline, vocabulary.head, _BACKWARD)
         flowing = backward[timeline.category[backward] != _GRADIENT]
         if len(flowing):  # this rank's columns of the logits' gradient, over its matmuls
             # (not to the gradient's own key: FSDP moves that to its reduce-scatter)
             _add(rows, size / tp, timeline.alloc_key[backward].min(),
-                 timeline.alloc_key[flowing].max(), _BACKWARD)
+                 timeline.alloc_key[flowing].max(), _BACKWARD, head)
     count = len(rows["size"])
     out = {name: np.array(values) for name, values in rows.items()}
     out["scales_with_batch"] = out["scales_with_batch"].astype(bool)
     out["category"] = np.full(count, _TEMPORARY, np.int8)
     out["phase"] = out["phase"].astype(np.int8)
+    out["module"] = out["module"].astype(np.int32)
     return out, volume
 
 
-def _add(rows: dict, size: float, first_key: float, last_key: float, phase: int) -> None:
+def _add(rows: dict, size: float, first_key: float, last_key: float, phase: int,
+         module: int) -> None:
+    rows["module"].append(int(module))
     rows["size"].append(size)
     rows["alloc_key"].append(float(first_key) - 0.5)
     rows["free_key"].append(float(last_key) + 0.5)
