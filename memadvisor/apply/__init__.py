@@ -32,6 +32,6 @@ def __getattr__(name: str):
         from . import runtime
         return getattr(runtime, name)
     if name == "with_loss":  # pp's rewrite of a loss the script computes (loss_expression.py)
-        from .pipeline_parallel import with_loss
+        from .pipeline_loss import with_loss
         return with_loss
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

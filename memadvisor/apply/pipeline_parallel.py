@@ -39,8 +39,6 @@ saves; and ``target`` is one tensor where a loss may read several.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 import weakref
 
 import torch
@@ -49,6 +47,8 @@ from torch import nn
 
 from ..plan import Plan, PlanError, pipeline_stage_ranges, repeated_blocks
 from . import checkpointing
+from .pipeline_collectives import clip_grad_norm_, full_parameters  # noqa: F401 (runtime's)
+from .pipeline_loss import check_loss, entered, parameter_name
 
 _ARG = "_memadvisor_arg"  #: the script's positional arguments travel as keyword arguments
 _TARGET = "_memadvisor_target"  #: the batch tensors the script's loss function reads
@@ -111,7 +111,7 @@ class _Stage(nn.Module):
         targets = [kwargs.pop(f"{_TARGET}{i}") for i in range(self.num_targets)]
         self.received = received[0] if received else None
         try:
-            with _entered(self.context):
+            with entered(self.context):
                 output = self.model(*args, **kwargs)
         except _StageDone as done:
             return done.output
@@ -216,12 +216,12 @@ class PipelineModel(nn.Module):
         self.dry_run = True
         try:
             with torch.no_grad():
-                with _entered(context):
+                with entered(context):
                     output = self.module(*args, **first)
                 position = (("loss_fn", None) if loss_fn is not None
                             else _loss_position(output))
                 if loss_fn is not None:
-                    _check_loss(loss_fn(output, *targets), loss_fn, self.num_stages)
+                    check_loss(loss_fn(output, *targets), loss_fn, self.num_stages)
         finally:
             self.dry_run = False
             handle.remove()
@@ -244,7 +244,8 @@ class PipelineModel(nn.Module):
         self.stage = PipelineStage(
             submodule, self.stage_index, self.num_stages, self.device,
             input_args=(meta,) if self.stage_index > 0 else (),
-            output_args=(meta,) if not is_last else (torch.empty((), device=self.device, requires_grad=True),))
+            output_args=(meta,) if not is_last else (
+                torch.empty((), device=self.device, requires_grad=True),))
         schedule_class = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
         self.schedule = schedule_class(self.stage, n_microbatches=self.plan.pipeline_microbatches,
                                        loss_fn=_identity_loss, scale_grads=True)
@@ -259,7 +260,7 @@ class PipelineModel(nn.Module):
         for index, target in enumerate(targets):
             if not isinstance(target, torch.Tensor):
                 raise PlanError(f"pp={self.num_stages}: the loss reads "
-                                f"`{_parameter_name(loss_fn, index + 1)}`, a "
+                                f"`{parameter_name(loss_fn, index + 1)}`, a "
                                 f"{type(target).__name__}, not a tensor the pipeline can cut "
                                 "into micro-batches")
         return self._step(args, kwargs, loss_fn, targets, context)
@@ -278,7 +279,7 @@ class PipelineModel(nn.Module):
         self.plan.micro_batch_size(batch_size)  # PlanError when M does not divide it
         for name, value in (*((f"argument {i}", a) for i, a in enumerate(args)),
                             *kwargs.items(),
-                            *((f"`{_parameter_name(loss_fn, i + 1)}`, read by the loss,", t)
+                            *((f"`{parameter_name(loss_fn, i + 1)}`, read by the loss,", t)
                               for i, t in enumerate(targets))):
             if isinstance(value, torch.Tensor) and (value.dim() == 0
                                                    or value.shape[0] != batch_size):
@@ -350,48 +351,6 @@ def _identity_loss(output, target):
     return output
 
 
-def _check_loss(loss, loss_fn, num_stages: int) -> None:
-    if (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-        return
-    code = loss_fn.__code__
-    what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-            else type(loss).__name__)
-    raise PlanError(f"pp={num_stages}: the script's loss ({code.co_filename}, line "
-                    f"{code.co_firstlineno}: `{loss_fn.__name__}`) gives {what}, not one "
-                    "number: the pipeline averages one loss per micro-batch")
-
-
-def _parameter_name(loss_fn, index: int) -> str:
-    names = loss_fn.__code__.co_varnames if loss_fn is not None else ()
-    return names[index] if index < len(names) else f"argument {index}"
-
-
-def _entered(context):
-    """The script's ``with`` context made anew (``context()``), or nothing."""
-    return context() if context is not None else contextlib.nullcontext()
-
-
-def with_loss(model, loss_fn, *targets, context=None):
-    """``model`` to call with ``loss_fn(output, *targets)`` as its loss: what the pp
-    rewrite of a script-side loss calls (loss_expression.py).  Under a pipeline the schedule
-    computes it on the last stage per micro-batch and the call returns the step's mean
-    loss; otherwise it is computed here, so the rewritten script runs under any plan.
-    ``context``: makes the ``with`` context the script ran its forward in (autocast),
-    entered around the forward only -- the backward, which the pipeline runs inside the
-    call, ran outside it in the script."""
-    pipeline = model if isinstance(model, PipelineModel) else getattr(model, "__self__", None)
-    if isinstance(pipeline, PipelineModel):
-        def run_pipeline(*args, **kwargs):
-            return pipeline.forward_with_loss(loss_fn, targets, context, *args, **kwargs)
-        return run_pipeline
-
-    def run(*args, **kwargs):
-        with _entered(context):
-            output = model(*args, **kwargs)
-        return loss_fn(output, *targets)
-    return run
-
-
 def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                    rank: int, device_type: str) -> PipelineModel:
     """Cut ``module`` into this rank's stage (in place) and drop the other stages' parameters
@@ -423,43 +382,3 @@ def describe(model: PipelineModel) -> str:
     return (f"pipeline stage {model.stage_index} of {model.num_stages} "
             f"(blocks {owned.start}-{owned.stop - 1} of {len(model.block_paths)}, "
             f"{model.plan.schedule}, {model.plan.pipeline_microbatches} micro-batches)")
-
-
-def full_parameters(module: nn.Module, parameter_names: list[str]) -> dict[str, torch.Tensor]:
-    """Every parameter whole, on the CPU, by name: each stage's blocks gathered from the rank
-    that holds them (a collective: every rank calls it)."""
-    local = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, local)
-    merged: dict[str, torch.Tensor] = {}
-    for part in every:
-        for name, value in part.items():
-            merged.setdefault(name, value)
-    return {name: merged[name] for name in parameter_names}
-
-
-def clip_grad_norm_(parameters, max_norm: float, replicated: set[int],
-                    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None):
-    """The total gradient norm over all stages: each stage's own blocks' squares summed over
-    the ranks, the replicated layers' (``replicated``: ids; equal on every rank after the
-    gradient sum) counted once; every gradient scaled as torch's clip_grad_norm_ would."""
-    if float(norm_type) != 2.0:
-        raise PlanError(f"pp: clip_grad_norm_ with norm_type={norm_type} is not supported "
-                        "under a pipeline yet (2.0 is)")
-    params = [p for p in parameters if p.grad is not None]
-    own = torch.zeros((), dtype=torch.float32)
-    shared = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        square = p.grad.detach().float().pow(2).sum().cpu()
-        if id(p) in replicated:
-            shared += square
-        else:
-            own += square
-    dist.all_reduce(own)
-    total = (own + shared).sqrt()
-    if error_if_nonfinite and not math.isfinite(float(total)):
-        raise RuntimeError(f"the total norm of order 2.0 for gradients is {float(total)}")
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        p.grad.detach().mul_(coefficient.to(p.grad.device, p.grad.dtype))
-    return total

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from apply_runs import EXAMPLES, REPO
-from memadvisor.apply import pipeline_parallel
+from memadvisor.apply import pipeline_loss
 from memadvisor.apply.rewrite import RewriteError, rewrite_source
 from memadvisor.plan import Plan
 
@@ -120,8 +120,9 @@ def test_without_pp_the_rewrite_is_unchanged():
      "optimizer.step()\n", 11, "`print\\(logits.shape\\)` .* is not an assignment"),
     ("logits = model(x)\nstats['loss'] = loss = criterion(logits, y)\nloss.backward()\n"
      "optimizer.step()\n", 11, "assigns to an attribute or item"),
-    ("with torch.autocast('cpu') as cast:\n    logits = model(x)\n    loss = criterion(logits, y)\n"
-     "loss.backward()\noptimizer.step()\n", 10, "called inside a `with` block"),
+    ("with torch.autocast('cpu') as cast:\n    logits = model(x)\n"
+     "    loss = criterion(logits, y)\nloss.backward()\noptimizer.step()\n", 10,
+     "called inside a `with` block"),
     ("if step > 0:\n    logits = model(x)\n    loss = criterion(logits, y)\n"
      "loss.backward()\noptimizer.step()\n", 10, "called inside a `if` block"),
     ("criterion(model(x), y).backward()\noptimizer.step()\n", 10,
@@ -153,8 +154,8 @@ def test_with_loss_outside_a_pipeline_is_the_loss_of_the_output():
     def loss_fn(output, y):
         return nn.functional.cross_entropy(output, y)
     expected = loss_fn(model(x), y)
-    assert torch.equal(pipeline_parallel.with_loss(model, loss_fn, y)(x), expected)
-    assert torch.equal(pipeline_parallel.with_loss(model.forward, loss_fn, y)(x), expected)
+    assert torch.equal(pipeline_loss.with_loss(model, loss_fn, y)(x), expected)
+    assert torch.equal(pipeline_loss.with_loss(model.forward, loss_fn, y)(x), expected)
     entered = []
 
     class Context:
@@ -163,6 +164,6 @@ def test_with_loss_outside_a_pipeline_is_the_loss_of_the_output():
 
         def __exit__(self, *exc):
             return False
-    assert torch.equal(pipeline_parallel.with_loss(model, loss_fn, y, context=Context)(x),
+    assert torch.equal(pipeline_loss.with_loss(model, loss_fn, y, context=Context)(x),
                        expected)
     assert entered == [True]
