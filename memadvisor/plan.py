@@ -586,6 +586,9 @@ class TensorParallelVocabulary:
     embedding: str | None
     head: str | None
     tied: bool  #: one weight serves both (GPT's ``lm_head.weight = tok_emb.weight``)
+    #: a vocabulary embedding found with no head Linear: kept whole (its weight may be
+    #: used directly, ``x @ wte.weight.T``, which a sharded weight would break)
+    unpaired: str | None = None
 
 
 def tensor_parallel_vocabulary(modules: Iterable[Any],
@@ -615,7 +618,7 @@ def tensor_parallel_vocabulary(modules: Iterable[Any],
     heads = [m for m in entries if m.type == "Linear" and outside(m.path)
              and vocabulary_sized(m.total_parameter_count)]
     if not heads:
-        return TensorParallelVocabulary(embedding.path, None, False)
+        return TensorParallelVocabulary(None, None, False, unpaired=embedding.path)
     head = heads[-1]
     root = next((m for m in entries if m.path == ""), None)
     tied = False

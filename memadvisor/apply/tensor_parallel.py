@@ -130,6 +130,10 @@ def _find_vocabulary(model: nn.Module, entries: list[ModuleEntry], blocks: Tenso
     modules; what cannot be split is kept whole with the reason (never refused: the blocks
     are the larger part and split all the same)."""
     found = tensor_parallel_vocabulary(entries, blocks)
+    if found.unpaired is not None:
+        layout.vocabulary_kept[found.unpaired] = (
+            "no vocabulary-sized head Linear found: its weight may be used directly (a tied "
+            "x @ weight.T), which a sharded weight would break")
     modules = dict(model.named_modules())
     embedding = modules[found.embedding] if found.embedding is not None else None
     head = modules[found.head] if found.head is not None else None

@@ -152,6 +152,16 @@ def test_an_embedding_that_cannot_be_split_stays_whole_with_the_reason(model, tp
         in tensor_parallel.describe(layout)
 
 
+def test_an_embedding_without_a_head_linear_stays_whole_with_the_reason():
+    # e.g. a GPT whose forward computes the logits as x @ self.tok_embeddings.weight.T:
+    # a sharded weight there would meet a plain tensor
+    model = LanguageModel()
+    del model.output
+    layout = tensor_parallel.find_layout(model, 2)
+    assert layout.embedding is None and layout.head is None
+    assert "no vocabulary-sized head Linear" in layout.vocabulary_kept["tok_embeddings"]
+
+
 def test_a_tied_pair_stays_whole_together_when_one_cannot_be_split():
     layout = tensor_parallel.find_layout(LanguageModel(tied=True, padding_idx=0), 2)
     assert layout.embedding is None and layout.head is None and not layout.tied
