@@ -27,6 +27,9 @@ timeline after the batch split (micro-batch B / M):
   starts, and those it kept from the previous step (alive when the step begins) are gone;
   what autograd saves for the loss's backward (log-softmax's output) stays an activation,
   held per in-flight micro-batch like the blocks' own;
+* a weight tied between the embedding and the head (GPT): its gradient is held by both end
+  stages (the trace has one, made after the blocks' backward; the head's forward read the
+  parameter: the trace's data flow says so);
 * P2P buffers (torch 2.13's ``PipelineStage`` makes one receive buffer per micro-batch and
   keeps them across steps): a stage after the first holds M buffers of the stream it
   receives, plus the input gradient it sends back; a stage before the last holds M buffers
@@ -111,6 +114,12 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
                       else float(timeline.n_events))
     timeline, held_output_bytes = _without_script_held_output(
         timeline, outside & forward, first_block_key, backward_start)
+    tied, made_key = _tied_gradients(timeline, outside, pre, post & forward, backward)
+    # on the last stage a tied weight's gradient is made by the head's backward (the trace
+    # has it once, made after the embedding's)
+    last_timeline = timeline.retimed(
+        np.where(tied & (timeline.alloc_key >= 0), made_key, timeline.alloc_key),
+        timeline.free_key) if tied.any() else timeline
     block_share = [float(block_parameter_fraction.get(b, 0.0)) for b in blocks]
     outside_share = max(1.0 - sum(block_share), 0.0)
     stream_bytes = _stream_bytes(timeline, block)
@@ -122,14 +131,14 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         if stage == 0:
             keep |= pre
         if stage == plan.pp - 1:
-            keep |= post
+            keep |= post | tied
         state_rows = (timeline.category == _PARAMETER) | (timeline.category == _STATE)
         keep |= state_rows  # scaled below: no module on these rows
         keep &= ~((timeline.category == _GRADIENT) & ~outside & ~mine)
         held = outside_share + sum(block_share[i] for i in owned)
         sizes = np.where(keep, timeline.size, 0.0)
         sizes = np.where(state_rows, timeline.size * held, sizes)
-        local = timeline.resized(sizes)
+        local = (last_timeline if stage == plan.pp - 1 else timeline).resized(sizes)
         # the first backward, with the other in-flight micro-batches' saved activations
         # beside it and no gradients of this stage yet; or a later backward, gradients
         # accumulated over M micro-steps (the last stage of 1F1B: F B F B ..., one in flight)
@@ -178,6 +187,32 @@ def _without_script_held_output(timeline: Timeline, outside_forward: np.ndarray,
     retimed = timeline.retimed(timeline.alloc_key, free_key)
     return (retimed.resized(np.where(previous, 0.0, timeline.size)),
             float(timeline.size[held].sum()))
+
+
+def _tied_gradients(timeline: Timeline, outside: np.ndarray, pre: np.ndarray,
+                    post_forward: np.ndarray, backward: np.ndarray) -> tuple[np.ndarray, float]:
+    """Gradient rows counted on the first stage (made after the blocks' backward) of a
+    parameter outside the stack that an op after the stack also read in forward: a weight
+    tied between the embedding and the head (GPT), whose gradient both end stages hold;
+    and where the last stage makes it: the first backward row of the reading modules (the
+    head's).  Found from the trace's data flow (none recorded: none found)."""
+    found = np.zeros(len(timeline), bool)
+    if timeline.reads is None or not post_forward.any():
+        return found, 0.0
+    parameters = outside & (timeline.category == _PARAMETER)
+    readers = np.flatnonzero(post_forward)
+    reads = [timeline.reads.of(int(r)) for r in readers]
+    tied_rows = [q for each in reads for q in each if parameters[q]]
+    if not tied_rows:
+        return found, 0.0
+    reading_modules = [timeline.module[r] for r, each in zip(readers, reads)
+                       if parameters[each].any()]
+    made = backward & (timeline.alloc_key >= 0) & np.isin(timeline.module, reading_modules)
+    if not made.any():
+        return found, 0.0
+    found = pre & (timeline.category == _GRADIENT) & np.isin(
+        timeline.module, np.unique(timeline.module[tied_rows]))
+    return found, float(timeline.alloc_key[made].min())
 
 
 def _stream_bytes(timeline: Timeline, block: np.ndarray) -> float:
