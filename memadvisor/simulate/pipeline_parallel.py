@@ -167,7 +167,9 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     return {"stages": stages, "worst_stage": worst["stage"], "peak_bytes": worst["peak_bytes"],
             "schedule": plan.schedule, "microbatches": plan.pipeline_microbatches,
             "bubble_fraction": bubble_fraction(plan), "stream_bytes": int(round(stream_bytes)),
-            "script_held_output_bytes": int(round(held_output_bytes))}
+            "script_held_output_bytes": int(round(held_output_bytes)),
+            "tied_gradient_bytes": int(round(float(
+                timeline.size[tied & (timeline.alloc_key >= 0)].sum())))}
 
 
 def _without_script_held_output(timeline: Timeline, outside_forward: np.ndarray,

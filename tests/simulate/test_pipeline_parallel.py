@@ -74,6 +74,16 @@ def test_the_script_held_output_and_the_p2p_buffers_per_stage(llama):
     assert [s["p2p_buffer_bytes"] for s in notes["stages"]] == [4 * stream, 5 * stream]
 
 
+def test_a_tied_embedding_heads_gradient_is_on_both_end_stages(gpt, llama):
+    """gpt_lm ties lm_head to tok_emb: under pp the last stage's head makes that gradient
+    too (the trace has one, after the embedding's backward); llama_decoder ties nothing."""
+    plan = Plan.parse("pp=2,world=2")
+    tied = simulate(prepare(gpt[0]), plan).notes["pipeline_parallel"]["tied_gradient_bytes"]
+    assert tied == 256 * 64 * 4  # vocabulary x d_model, fp32
+    untied = simulate(prepare(llama[0]), plan).notes["pipeline_parallel"]
+    assert untied["tied_gradient_bytes"] == 0
+
+
 def test_schedule_rules():
     one_f_one_b = Plan.parse("pp=4,world=4,microbatches=8")
     assert [pipeline_parallel.in_flight_micro_batches(one_f_one_b, s) for s in range(4)] == \
