@@ -38,6 +38,8 @@ def prediction_dict(base: Baseline, prediction: Prediction, hw: Hardware) -> dic
         #: gloo (CPU) shard plans: the peak when its worker thread frees at once
         "peak_bytes_if_collectives_free_at_once": prediction.notes.get(
             "peak_bytes_if_collectives_free_at_once"),
+        #: pp: every stage's peak and its terms (pipeline_parallel.py); the peak is the worst
+        "pipeline_stages": prediction.notes.get("pipeline_parallel", {}).get("stages"),
     }
 
 
@@ -67,6 +69,11 @@ def simulate_text(data: dict) -> str:
     per = " per rank" if data["per_rank"] else ""
     lines.append(f"peak{per}: {format_bytes(data['peak_bytes'])}   baseline "
                  f"{format_bytes(data['baseline_peak_bytes'])}")
+    for stage in data.get("pipeline_stages") or ():
+        first, last = stage["blocks"]
+        lines.append(f"  stage {stage['stage']} (blocks {first}-{last}, "
+                     f"{stage['in_flight_micro_batches']} in flight): "
+                     f"{format_bytes(stage['peak_bytes'])} ({stage['peak_bytes']:,} B)")
     if data.get("peak_bytes_if_collectives_free_at_once") is not None:
         lines.append(f"  (gloo's worker thread frees collective buffers when it is scheduled: "
                      f"{format_bytes(data['peak_bytes_if_collectives_free_at_once'])} in a "

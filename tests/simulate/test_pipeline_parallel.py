@@ -84,6 +84,23 @@ def test_a_tied_embedding_heads_gradient_is_on_both_end_stages(gpt, llama):
     assert untied["tied_gradient_bytes"] == 0
 
 
+def test_simulate_reports_every_stage(llama):
+    """``simulate --plan pp=...``: the peak is the worst stage's; JSON and text carry each."""
+    from memadvisor.simulate.output import simulate_dict, simulate_text
+    trace, _ = llama
+    base = prepare(trace)
+    hw = hardware(None, base.meta.device)
+    data = simulate_dict(base, simulate(base, Plan.parse("pp=2,world=2"), hw), hw)
+    stages = data["pipeline_stages"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    assert data["peak_bytes"] == max(s["peak_bytes"] for s in stages)
+    text = simulate_text(data)
+    assert "stage 1 (blocks 1-1, 1 in flight): " in text
+    assert f"({stages[1]['peak_bytes']:,} B)" in text
+    plain = simulate_dict(base, simulate(base, Plan.parse("shard=zero2,world=2"), hw), hw)
+    assert plain["pipeline_stages"] is None
+
+
 def test_schedule_rules():
     one_f_one_b = Plan.parse("pp=4,world=4,microbatches=8")
     assert [pipeline_parallel.in_flight_micro_batches(one_f_one_b, s) for s in range(4)] == \
