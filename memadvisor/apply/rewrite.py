@@ -36,7 +36,7 @@ import libcst as cst
 
 from ..errors import UserError
 from ..plan import Plan
-from . import loss_expression
+from . import loss_expression, loss_function_edit
 from .find import Found, ScriptFinder, ScriptNotUnderstood, dotted
 
 ALIAS = "mem"
@@ -345,11 +345,11 @@ class _Editor(cst.CSTTransformer):
 
     def _with_loss_function(self, inside: list, olds: list) -> list:
         """The loss statements replaced by the loss function and the model call through
-        ``mem.with_loss`` (loss_expression.py)."""
+        ``mem.with_loss`` (loss_expression.py finds them, loss_function_edit.py builds it)."""
         moved = [id(s) for s in self.loss_function.statements]
         positions = [i for i, old in enumerate(olds) if id(old) in moved]
         updated = [inside[i] for i in positions]
-        built = loss_expression.pipeline_statements(self.loss_function, updated, self.alias)
+        built = loss_function_edit.pipeline_statements(self.loss_function, updated, self.alias)
         start = positions[0]
         return [*inside[:start], *built,
                 *(s for i, s in enumerate(inside) if i > start and i not in positions)]
