@@ -3,8 +3,12 @@
 For each checkpointed region (a module path and its submodules; '' is the whole model):
 
 * forward: activations the region saves for its own backward (allocated in the region's
-  forward, still alive when the region's backward starts) are freed when the region's
-  forward ends instead;  the region's output, saved downstream, keeps its lifetime.  A
+  forward, still alive when the region's backward starts) are no longer kept: where the
+  trace records data flow (format 3), each dies once the last op of the region's forward
+  that reads it has run (``_ForwardReaders``; one nothing reads, e.g. a normalisation's
+  saved statistics or a dropout mask, when the op that made it returns), else when the
+  region's forward ends;  one that an op after the region reads (the region's output,
+  saved downstream) keeps its lifetime.  A
   step with several backward passes calls the region once per pass (a GAN's
   discriminator): each call, with the backward that follows it, is transformed alone;
 * backward: just before the region's first backward allocation its forward is replayed
@@ -59,6 +63,7 @@ class _Index:
         self.outside_backward = np.flatnonzero(timeline.event_phase != _BACKWARD)
         self.rows_by_alloc = np.argsort(timeline.alloc_key, kind="stable")
         self.sorted_alloc_keys = timeline.alloc_key[self.rows_by_alloc]
+        self.readers = _ForwardReaders.of(timeline)
 
     def member_modules(self, region: str) -> np.ndarray:
         """Bool per module code: the region's module and its submodules."""
@@ -91,6 +96,79 @@ class _Index:
         lo = np.searchsorted(self.sorted_alloc_keys, start, "left")
         hi = np.searchsorted(self.sorted_alloc_keys, end, "right")
         return np.sort(self.rows_by_alloc[lo:hi])
+
+
+class _ForwardReaders:
+    """Who reads each row in forward (the trace's data flow), and where each op ends.
+
+    Under checkpointing a region's forward saves nothing, so a tensor made there lives as
+    long as the Python code holds it: until the last op that reads it has returned (a
+    ``Sequential`` rebinds its ``input``; ``f(g(x))`` drops ``g``'s result after ``f``).
+    A local variable that holds a tensor past its last read is the exception it misses;
+    the bound is the region's end, where it dies without data flow."""
+
+    def __init__(self, timeline: Timeline, source: np.ndarray, reader_key: np.ndarray,
+                 op_end: np.ndarray):
+        self.source, self.reader_key, self.op_end = source, reader_key, op_end
+
+    @classmethod
+    def of(cls, timeline: Timeline) -> "_ForwardReaders | None":
+        reads = timeline.reads
+        if reads is None or not len(reads.rows):
+            return None
+        reader = np.repeat(np.arange(len(reads.counts())), reads.counts())
+        forward = timeline.phase[reader] == _FORWARD
+        source, reader = reads.rows[forward], reader[forward]
+        order = np.argsort(source, kind="stable")
+        return cls(timeline, source[order], timeline.alloc_key[reader[order]],
+                   _op_ends(timeline))
+
+    def death(self, rows: np.ndarray, made: np.ndarray, start: float, end: float
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: the key where it dies in a forward that saves nothing (its last reader
+        in ``start..end`` ended; nothing read it: its own op ended), and whether an op
+        after ``end`` reads it (then it is not the region's to free)."""
+        lo = np.searchsorted(self.source, rows, "left")
+        hi = np.searchsorted(self.source, rows, "right")
+        last = made.astype(float).copy()
+        read_after = np.zeros(len(rows), bool)
+        for i, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+            keys = self.reader_key[a:b]
+            if len(keys):
+                read_after[i] = bool((keys > end).any())
+                inside = keys[(keys >= start) & (keys <= end)]
+                if len(inside):
+                    last[i] = max(last[i], float(inside.max()))
+        at = np.clip(np.searchsorted(self.op_end[0], last, "left"), 0,
+                     max(len(self.op_end[0]) - 1, 0))
+        died = np.where(self.op_end[0][at] == last, self.op_end[1][at], last + 0.5)
+        return np.minimum(died, end + 0.5), read_after
+
+
+def _op_ends(timeline: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """(alloc key of each op output row, key just before the next op's first output): an
+    op's inputs outlive the scratch it allocates after its output, so a tensor its last
+    reader read dies when the next op starts, not at the reader's output."""
+    reads = timeline.reads
+    counts = reads.counts()
+    outputs = np.flatnonzero(counts > 0)
+    outputs = outputs[np.argsort(timeline.alloc_key[outputs], kind="stable")]
+    keys = timeline.alloc_key[outputs]
+    # the outputs of one op share its op code and the list of rows it read
+    same = np.zeros(len(outputs), bool)
+    if len(outputs) > 1:
+        ops = timeline.op[outputs]
+        first = reads.offsets[outputs]
+        same[1:] = (ops[1:] == ops[:-1]) & (counts[outputs][1:] == counts[outputs][:-1])
+        for i in np.flatnonzero(same):  # few: compare the read lists themselves
+            same[i] = np.array_equal(reads.rows[first[i]:first[i] + counts[outputs[i]]],
+                                     reads.rows[first[i - 1]:first[i - 1]
+                                                + counts[outputs[i - 1]]])
+    starts = np.flatnonzero(~same)  # index of each op's first output
+    op_of = np.cumsum(~same) - 1
+    next_start = np.append(keys[starts[1:]], float(timeline.n_events))
+    ends = next_start[op_of] - 0.5
+    return keys, np.maximum(ends, keys + 0.25)
 
 
 _ROW_FIELDS = ("size", "alloc_key", "free_key", "category", "dtype", "module", "phase", "op",
@@ -193,10 +271,16 @@ def _checkpoint_call(timeline: Timeline, index: _Index, free_key: np.ndarray, ad
     freed_in_span = free_key[replay] <= last_saved
     new_free = np.where(replay_saved, free_key[replay],
                         np.where(freed_in_span, squeeze(free_key[replay]), recompute_end))
-    # freed when the region's forward ends, and in any case before its recompute begins
-    # (a region whose forward ends right before backward, e.g. the whole model: its
-    # originals and their recomputed copies never coexist)
-    free_key[saved] = min(end + 0.5, squeeze(start - 0.75))
+    # freed when the region's forward is done with them (data flow), or when it ends, and
+    # in any case before its recompute begins (a region whose forward ends right before
+    # backward, e.g. the whole model: its originals and their recomputed copies never
+    # coexist); a tensor an op after the region reads is held there, not by the region
+    dies_at = np.full(len(saved), end + 0.5)
+    kept = np.zeros(len(saved), bool)
+    if index.readers is not None:
+        dies_at, kept = index.readers.death(saved, timeline.alloc_key[saved], start, end)
+    free_key[saved] = np.where(kept, free_key[saved],
+                               np.minimum(dies_at, squeeze(start - 0.75)))
     copies = {name: getattr(timeline, name)[replay] for name in _ROW_FIELDS}
     copies["alloc_key"], copies["free_key"] = new_alloc, new_free
     # recomputed tensors are made in backward; temporaries stay temporaries
@@ -214,4 +298,4 @@ def _checkpoint_call(timeline: Timeline, index: _Index, free_key: np.ndarray, ad
             "dtype": np.full(2, float32, np.int16), "module": np.zeros(2, np.int32),
             "phase": np.array([_FORWARD, _BACKWARD], np.int8), "op": np.zeros(2, np.int32),
             "scales_with_batch": np.zeros(2, bool), "shape": np.full(2, "", dtype=object)})
-    return int(timeline.size[saved].sum()), int(last_saved)
+    return int(timeline.size[saved[~kept]].sum()), int(last_saved)
