@@ -33,7 +33,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .find_calls import TrainingCalls
 from .find_region import RegionSearch
-from .syntax import MARKER, NotFound, dotted  # noqa: F401  (dotted: used by rewrite)
+from .syntax import MARKER, NotFound, collect, dotted  # noqa: F401  (dotted: used by rewrite)
 
 #: (module, its positions) by id: ``advise`` finds the training loop in one script (one
 #: immutable tree, ``rewrite._parsed``) once per plan it checks, and resolving positions
@@ -263,6 +263,21 @@ class ScriptFinder(TrainingCalls, RegionSearch):
         except NotFound:
             return False
         return True
+
+    def crowded_line(self, found: "Found") -> str | None:
+        """The first line of the micro-batch loop's region holding several statements
+        (``opt.zero_grad(); loss.backward(); opt.step()``) one of which zeroes, backs
+        through or steps: the loop repeats a line whole, so the step would run per
+        micro-batch (accumulation silently gone).  None where there is none."""
+        for statement in found.region:
+            if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) < 2:
+                continue
+            for call in collect(statement, cst.Call):
+                if isinstance(call.func, cst.Attribute) and \
+                        call.func.attr.value in ("zero_grad", "backward", "step"):
+                    return (f"line {self.line(statement)} holds several statements "
+                            f"(`{self._code(statement).strip()}`)")
+        return None
 
     def _code(self, node) -> str:
         return self.module.code_for_node(node).strip()

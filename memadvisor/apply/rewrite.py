@@ -119,6 +119,11 @@ def rewrite_source(source: str, plan: Plan, filename: str = "script.py") -> Rewr
         raise RewriteError(str(exc)) from None
     refusal = plan_refusal(plan, found.split_refusal, found.closure_steps, found.shadow_copies,
                            found.accum_refusal)
+    crowded = finder.crowded_line(found) if plan.accum > 1 else None
+    if crowded and not refusal:
+        refusal = (f"accum={plan.accum}: {crowded}: the micro-batch loop would repeat that "
+                   "line whole, stepping the optimizer per micro-batch; put each statement on "
+                   "a line of its own")
     if refusal:
         raise RewriteError(f"cannot rewrite {filename} for plan {plan}: {refusal} "
                            "(nothing was written or run)")

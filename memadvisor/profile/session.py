@@ -104,6 +104,9 @@ class ProfileSession:
         self._backward_since_forward = False
         self._in_backward = False
         self.backward_count = 0
+        #: sum of the trainable parameters' version counters at the first backward's end:
+        #: an in-place update (manual SGD) bumps them, accumulation leaves them alone
+        self._param_versions_at_first_backward: int | None = None
         self._step_cuda: list[tuple[int | None, int | None]] = []
         #: the batch fed to the model trained (batch_capture.py)
         self.batch_observer = BatchObserver()
@@ -507,7 +510,9 @@ class ProfileSession:
                         for param in trainable + [leaf for leaf in leaves if leaf is not None]
                         if param.grad is not None])
         if self._counting_backward():
-            self._maybe_stop_backward_mode()
+            if self._param_versions_at_first_backward is None:
+                self._param_versions_at_first_backward = _versions(trainable)
+            self._maybe_stop_backward_mode(trainable)
 
     def _counting_backward(self) -> bool:
         return self.step_boundary == "backward" or (
@@ -559,7 +564,7 @@ class ProfileSession:
         for optimizer in list(self._optimizers):
             self._mark_optimizer_state(optimizer)
 
-    def _maybe_stop_backward_mode(self) -> None:
+    def _maybe_stop_backward_mode(self, trainable: list) -> None:
         if not self.steps_requested:
             return
         if self.step_boundary == "backward" or not self._optimizer_cycle.expects_optimizer(
@@ -567,10 +572,17 @@ class ProfileSession:
             # no torch.optim optimizer holds the model's parameters: updates are manual,
             # one backward is one step (not 11 counted as "step 11/3")
             threshold = self.steps_requested
+        elif self._optimizer_depth:
+            return  # a closure's backward inside optimizer.step (LBFGS): its step ends it
+        elif _versions(trainable) != self._param_versions_at_first_backward:
+            # an optimizer holds them, but none has stepped and the parameters were
+            # updated in place: manual updates beside an optimizer (used for zero_grad)
+            threshold = self.steps_requested
         else:
-            # no torch.optim step seen yet: maybe gradient accumulation over many
-            # micro-batches, maybe manual updates.  Give accumulation room before deciding.
-            threshold = max(2 * self.steps_requested, self.steps_requested + 8)
+            # no torch.optim step yet and the parameters untouched: gradient accumulation
+            # over many micro-batches (accum=16 made 16 backward passes a step; counting
+            # them as steps stopped the run before any optimizer step, exit 0)
+            return
         if self.backward_count >= threshold:
             # stop when the next forward begins, after the manual update has run
             self._stop_after_backward = True
@@ -746,3 +758,8 @@ def _graph_leaves(tensors) -> list:
             continue
         pending.extend(next_node for next_node, _ in node.next_functions)
     return leaves
+
+
+def _versions(parameters: list) -> int:
+    """Sum of the tensors' version counters (each in-place write adds one)."""
+    return sum(int(p._version) for p in parameters)

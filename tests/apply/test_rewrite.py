@@ -273,3 +273,24 @@ def test_an_optimizer_chosen_by_a_flag():
         """)
     code = rewrite_source(source, PLAN, "s.py").code
     assert "    optimizer = torch.optim.AdamW(model.parameters())\nmodel, optimizer = mem.prepare(" in code
+
+
+CROWDED = textwrap.dedent("""
+    import torch
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        x = torch.randn(8, 4)
+        loss = model(x).square().mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+""")
+
+
+def test_a_step_sharing_its_line_is_refused_for_accumulation_only():
+    # the micro-batch loop repeats a line whole: zero_grad and step would run per
+    # micro-batch, accumulation silently gone (exit 0 before)
+    with pytest.raises(RewriteError, match=r"accum=2: line 8 holds several statements"):
+        rewrite_source(CROWDED, Plan.parse("accum=2"))
+    # one micro-batch per step: the line runs once per step, as written
+    out = rewrite_source(CROWDED, Plan.parse("optimizer=sgd")).code
+    assert "opt.zero_grad(); mem.backward(loss); mem.step(opt)" in out

@@ -252,3 +252,47 @@ def test_manual_updates_stop_at_the_requested_steps():
     _, meta = _profile(train, steps=2)
     assert meta.steps_completed == 2 and meta.step_detection == "backward"
     assert done == [0, 1]
+
+
+def test_long_gradient_accumulation_waits_for_the_optimizer_step():
+    """An optimizer holds the parameters and steps every 16 backward passes: the steps are
+    the optimizer's (16 backward passes each), not backward passes counted as steps, which
+    stopped a profile of accum=16 before any optimizer step (no optimizer state in it)."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    stepped = []
+
+    def train():
+        for iteration in range(60):
+            model(torch.randn(4, 3)).sum().backward()
+            if (iteration + 1) % 16 == 0:
+                opt.step()
+                opt.zero_grad()
+                stepped.append(iteration)
+
+    events, meta = _profile(train, steps=2)
+    assert meta.steps_completed == 2 and meta.step_detection != "backward"
+    assert stepped == [15]  # stopped in the second optimizer step
+    state = events[(events["category"] == "optimizer_state") & (events["action"] == "alloc")]
+    assert len(state) > 0
+
+
+def test_manual_updates_beside_an_optimizer_still_end_steps_at_backward():
+    """An optimizer built only for its zero_grad, the update written by hand: the
+    parameters change in place between backward passes, so one backward is one step."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    done = []
+
+    def train():
+        for iteration in range(40):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.1)
+            done.append(iteration)
+
+    _, meta = _profile(train, steps=2)
+    assert meta.steps_completed == 2 and meta.step_detection == "backward"
+    assert len(done) < 40
