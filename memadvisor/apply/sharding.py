@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Plan, PlanError
+from . import fsdp_params
+from .ddp_wrapper import ModelFacingDDP
 
 
 @dataclass(frozen=True)
@@ -74,21 +77,42 @@ def wrap_model(model: nn.Module, plan: Plan, device_type: str, blocks: list[str]
     """The model the script should call from now on (a DDP wrapper, or ``model`` itself
     turned into an FSDP module in place)."""
     if plan.shard in ("ddp", "zero1"):
-        from torch.nn.parallel import DistributedDataParallel
+        # ModelFacingDDP: the script's model.<attr> still works on what prepare returns
         device_ids = [torch.cuda.current_device()] if device_type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        return ModelFacingDDP(model, device_ids=device_ids, shard=plan.shard)
     if plan.uses_fsdp:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
         mesh = device_mesh(plan, device_type)
         reshard = plan.shard == "zero3"
         offload = CPUOffloadPolicy() if "params" in plan.offload else OffloadPolicy()
+        ignored = prepare_for_fsdp(model, plan, mesh)
         modules = dict(model.named_modules())
         for path in blocks:  # one sharding unit per repeated block, then the rest at the root
             fully_shard(modules[path], mesh=mesh, reshard_after_forward=reshard,
-                        offload_policy=offload)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
+                        offload_policy=offload, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload,
+                    ignored_params=ignored)
         return model
     return model
+
+
+def prepare_for_fsdp(model: nn.Module, plan: Plan, mesh) -> set[nn.Parameter]:
+    """Make the parameters fully_shard refuses acceptable (fsdp_params.py); returns the
+    0-dim ones, kept whole beside the shards (``ignored_params``)."""
+    contiguous = fsdp_params.make_contiguous(model)
+    scalars = fsdp_params.scalar_parameters(model)
+    fsdp_params.replicate_with_averaged_gradients(list(scalars.values()), mesh)
+    notes = []
+    if contiguous:
+        notes.append(f"made {len(contiguous)} non-contiguous parameters contiguous (e.g. "
+                     f"channels_last conv weights: {contiguous[0]}), as FSDP2 requires")
+    if scalars:
+        notes.append(f"kept {len(scalars)} 0-dim parameters ({', '.join(list(scalars)[:3])}) "
+                     "whole on every rank, gradients averaged: FSDP2 cannot shard scalars")
+    if notes and dist.get_rank() == 0:
+        print(f"memadvisor: shard={plan.shard}: " + "; ".join(notes), file=sys.stderr,
+              flush=True)
+    return set(scalars.values())
 
 
 def device_mesh(plan: Plan, device_type: str):
@@ -163,6 +187,8 @@ def forward_methods(module: nn.Module, wrapped: nn.Module, plan: Plan, methods) 
         if plan.uses_fsdp:
             from torch.distributed.fsdp import register_fsdp_forward_method
             register_fsdp_forward_method(module, name)
+        elif isinstance(wrapped, ModelFacingDDP):
+            continue  # it forwards and guards the model's methods itself
         elif wrapped is not module and not hasattr(wrapped, name):
             setattr(wrapped, name, outside_sync(module, name, plan))
 
