@@ -318,14 +318,17 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     ranked.sort(key=key)
     cpu_seconds["plans shown"] = time.process_time() - started - sum(cpu_seconds.values())
     bounds = _LastLayout()  # the plans run in layout order: one layout's bounds at a time
-    sizes = _in_layout_order(base, hw, [p.plan for p in ranked[:3]], cache, stage_keys,
+    # a loss coupling the batch's samples grows with its square: no linear extrapolation
+    # (base.warnings says so)
+    shown = [] if base.batch_coupled else ranked[:3]
+    sizes = _in_layout_order(base, hw, [p.plan for p in shown], cache, stage_keys,
                              lambda plan: max_micro_batch(
                                  base, plan, hw, usable, cache=cache,
                                  # the bounds know nothing of tp: their layout key does not
                                  # hold it, so a tp plan would get its twin's bounds
                                  bounds_cache=None if plan.tp > 1 else bounds,
                                  expandable_segments=expandable_segments))
-    best = {p.plan.to_compact(): size for p, size in zip(ranked[:3], sizes)}
+    best = {p.plan.to_compact(): size for p, size in zip(shown, sizes)}
     cpu_seconds["micro-batch"] = time.process_time() - started - sum(cpu_seconds.values())
     if not ranked:
         smallest = min(too_big, key=lambda p: p.reserved_bytes or p.peak_bytes, default=None)

@@ -31,6 +31,7 @@ from ..trace.io import Trace
 from . import allocator as allocator_model
 from .accumulation import accumulated_events, accumulated_peak
 from .batch import RESIZE_OP, mark_batch_scaling, parameter_shapes, scale_batch
+from .batch_coupling import coupling, coupling_warning
 from .checkpoint import apply_checkpoint
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
                    work_profile)
@@ -63,6 +64,8 @@ class Baseline:
     warnings: list[str] = field(default_factory=list)
     #: the timeline as ``apply``'s loop rewrite runs it (``loop.hoisted_zero_grad``)
     rewritten: Timeline | None = None
+    #: the op that couples the batch's samples (``batch_coupling``), or None
+    batch_coupled: str | None = None
 
 
 def prepare(trace: Trace) -> Baseline:
@@ -87,6 +90,9 @@ def prepare(trace: Trace) -> Baseline:
     if not (meta.batch or {}).get("batch_size"):
         warnings.append("the trace records no batch size: accumulation and world sizes "
                         "cannot scale activations")
+    coupled = coupling(timeline, int((meta.batch or {}).get("batch_size") or 0))
+    if coupled:
+        warnings.append(coupling_warning(coupled))
     module_bytes = {m["path"]: int(m.get("parameter_bytes", 0)) for m in meta.modules}
     total = {m["path"]: int(m.get("total_parameter_bytes", 0)) for m in meta.modules}
     blocks = repeated_blocks(meta.modules) if meta.modules else []
@@ -101,7 +107,7 @@ def prepare(trace: Trace) -> Baseline:
     return Baseline(timeline, meta, int((meta.batch or {}).get("batch_size") or 0),
                     "cuda" if str(meta.device).startswith("cuda") else "cpu",
                     module_bytes, blocks, fractions, work, timeline.peak(), warnings,
-                    rewritten)
+                    rewritten, coupled)
 
 
 @dataclass
@@ -426,8 +432,8 @@ def max_micro_batch(base: Baseline, plan: Plan, hw: Hardware, budget_bytes: floa
     is transformed once and only rescaled while bisecting (through the plan's layout
     bounds when ``bounds_cache`` is given).  On a CUDA target the answer must also fit in
     reserved memory: the allocator model checks it (``_largest_reserved_fit``)."""
-    if not base.batch_size:
-        return 0
+    if not base.batch_size or base.batch_coupled:
+        return 0  # a (B, B) tensor grows with the square of the batch: no linear answer
     parts = plan.data_parallel_size * plan.accum
     reference = max(base.batch_size // parts, 1)
     bounds = None
