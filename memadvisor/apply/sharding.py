@@ -170,13 +170,16 @@ def convert_batch_norm(model: nn.Module, plan: Plan, device_type: str) -> tuple[
 def forward_methods(module: nn.Module, wrapped: nn.Module, plan: Plan, methods) -> None:
     """Make ``model.<method>(...)`` work on what prepare returns (VAE's ``decode``):
     FSDP2 gathers the parameters around methods registered with
-    ``register_fsdp_forward_method``; a DDP wrapper forwards them to the module, outside
-    DDP's gradient sync, so only without gradients in training mode."""
+    ``register_fsdp_forward_method``.  (The DDP wrapper, ``ModelFacingDDP``, forwards
+    the model's attributes and methods itself, refusing what would miss the gradient
+    sync.)"""
+    if not plan.uses_fsdp:
+        return
     for name in methods:
         attribute = inspect.getattr_static(type(module), name, None)
         if attribute is None or not callable(attribute):
             submodule = getattr(module, name, None)
-            if isinstance(submodule, nn.Module) and plan.uses_fsdp:
+            if isinstance(submodule, nn.Module):
                 from torch.distributed.fsdp import FSDPModule
                 if not isinstance(submodule, FSDPModule):
                     raise PlanError(
@@ -184,23 +187,5 @@ def forward_methods(module: nn.Module, wrapped: nn.Module, plan: Plan, methods) 
                         "submodule whose parameters are sharded with the model's and gathered "
                         "only inside model(...); call it through the model's forward")
             continue
-        if plan.uses_fsdp:
-            from torch.distributed.fsdp import register_fsdp_forward_method
-            register_fsdp_forward_method(module, name)
-        elif isinstance(wrapped, ModelFacingDDP):
-            continue  # it forwards and guards the model's methods itself
-        elif wrapped is not module and not hasattr(wrapped, name):
-            setattr(wrapped, name, outside_sync(module, name, plan))
-
-
-def outside_sync(module: nn.Module, name: str, plan: Plan):
-    method = getattr(module, name)
-
-    def forwarded(*args, **kwargs):
-        if torch.is_grad_enabled() and module.training:
-            raise PlanError(f"shard={plan.shard}: model.{name}(...) ran with gradients in "
-                            "training mode; under DistributedDataParallel only model(...) "
-                            "all-reduces gradients: call it under torch.no_grad() or from "
-                            "the model's forward")
-        return method(*args, **kwargs)
-    return forwarded
+        from torch.distributed.fsdp import register_fsdp_forward_method
+        register_fsdp_forward_method(module, name)

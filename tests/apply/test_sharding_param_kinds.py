@@ -46,7 +46,9 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for i in range(4):
         x = torch.randn(8, 16)
-        loss = model(x).pow(2).mean()
+        # a parameter read outside the forward (CLIP's logit_scale in the loss): DDP's
+        # forward prepared the backward, so its gradient is all-reduced with the rest
+        loss = (model(x) * model.temperature.pow(2)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
