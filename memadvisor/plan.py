@@ -174,6 +174,11 @@ class Plan:
                 kwargs[key] = frozenset(n for n in _as_list(value, key) if n != "none")
             else:
                 kwargs[key] = str(value).strip()
+        if "world" not in kwargs and (kwargs.get("tp", 1) > 1 or kwargs.get("pp", 1) > 1) \
+                and kwargs.get("shard", "none") in ("none", ""):
+            # tp=2 or pp=2 alone means its ranks and no more: world = tp x pp (a pipeline
+            # or a tensor-parallel group with data parallelism names its world)
+            kwargs["world"] = kwargs.get("tp", 1) * kwargs.get("pp", 1)
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:

@@ -193,3 +193,13 @@ def test_checkpoint_resolves_per_model_as_apply_prepares_each():
     # a trace without root marks: one model, as before
     unmarked = [{k: v for k, v in m.items() if k != "root"} for m in tree]
     assert resolve_checkpoint_per_root(auto, unmarked) == ["netG.main"]
+
+
+def test_tp_or_pp_alone_runs_on_its_own_ranks():
+    # `--plan pp=2` was refused ("world must equal pp"): without a shard mode the world is
+    # the tensor-parallel group times the pipeline's stages; a world given stays checked
+    from memadvisor.plan import Plan, PlanError
+    assert Plan.parse("pp=2").world == 2 and Plan.parse("tp=4,sp").world == 4
+    assert Plan.parse("pp=2,microbatches=4").to_compact() == "world=2,pp=2,microbatches=4"
+    with pytest.raises(PlanError, match="world must equal pp"):
+        Plan.parse("pp=2,world=4")
