@@ -50,10 +50,24 @@ def die_with_parent() -> None:
         os._exit(143)
 
 
+def _interrupt_once(signum, frame) -> None:
+    """The first Ctrl-C the launcher passes on: further ones are ignored *before* the
+    KeyboardInterrupt unwinds the script.  torchrun may send the signal again while this
+    rank winds down; one landing in a weakref callback of the objects the unwinding frees
+    prints an "Exception ignored ... KeyboardInterrupt" traceback on the user's terminal
+    (ignoring it only in the except clause below left that window open)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     die_with_parent()
+    import signal
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_once)
 
     from ..errors import UserError
     from . import launch
