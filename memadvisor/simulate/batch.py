@@ -159,6 +159,12 @@ _PACK_OP = "aten::_pack_padded_sequence"
 _RECURRENT_TYPES = frozenset({"RNN", "LSTM", "GRU"})
 
 
+def _recurrent_modules(timeline: Timeline, module_types: dict[str, str]) -> np.ndarray:
+    """Bool per module code: the module is one of torch's recurrent modules."""
+    return np.array([module_types.get(name, "") in _RECURRENT_TYPES
+                     for name in timeline.modules] or [False], bool)
+
+
 def _packed_rows(timeline: Timeline, module_types: dict[str, str],
                  parameter_shaped: np.ndarray) -> np.ndarray:
     """Rows that scale with the batch over a packed sequence (``pack_padded_sequence``):
@@ -174,8 +180,7 @@ def _packed_rows(timeline: Timeline, module_types: dict[str, str],
     forward = timeline.phase == PHASE_CODE[schema.FORWARD]
     floating = timeline.dtype_in(("float32", "float64", "float16", "bfloat16"))
     packed = timeline.op_in((_PACK_OP,)) & forward & floating
-    recurrent = np.array([module_types.get(name, "") in _RECURRENT_TYPES
-                          for name in timeline.modules] or [False], bool)
+    recurrent = _recurrent_modules(timeline, module_types)
     out |= packed | (recurrent[timeline.module] & ~parameter_shaped)
     return out & ~timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
 
@@ -188,8 +193,7 @@ def _recurrent_workspaces(timeline: Timeline, module_types: dict[str, str],
     follows the batch though no dimension shows it (12,554,240 B at 32 sequences,
     6,279,168 B at 16: linear to 4 KiB).  Kept whole, accumulation and data parallelism
     were over-predicted (+64% on one nn.LSTM) and a larger batch under-predicted."""
-    recurrent = np.array([module_types.get(name, "") in _RECURRENT_TYPES
-                          for name in timeline.modules] or [False], bool)
+    recurrent = _recurrent_modules(timeline, module_types)
     return (recurrent[timeline.module] & (ndim == 1) & (first > 0) & (first % size == 0)
             & timeline.dtype_in(("uint8", "int8"))
             & (timeline.category == CATEGORY_CODE[schema.ACTIVATION])

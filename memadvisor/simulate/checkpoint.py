@@ -107,8 +107,7 @@ class _ForwardReaders:
     A local variable that holds a tensor past its last read is the exception it misses;
     the bound is the region's end, where it dies without data flow."""
 
-    def __init__(self, timeline: Timeline, source: np.ndarray, reader_key: np.ndarray,
-                 op_end: np.ndarray):
+    def __init__(self, source: np.ndarray, reader_key: np.ndarray, op_end: tuple):
         self.source, self.reader_key, self.op_end = source, reader_key, op_end
 
     @classmethod
@@ -120,8 +119,7 @@ class _ForwardReaders:
         forward = timeline.phase[reader] == _FORWARD
         source, reader = reads.rows[forward], reader[forward]
         order = np.argsort(source, kind="stable")
-        return cls(timeline, source[order], timeline.alloc_key[reader[order]],
-                   _op_ends(timeline))
+        return cls(source[order], timeline.alloc_key[reader[order]], _op_ends(timeline))
 
     def death(self, rows: np.ndarray, made: np.ndarray, start: float, end: float
               ) -> tuple[np.ndarray, np.ndarray]:
