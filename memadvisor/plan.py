@@ -33,9 +33,12 @@ ZERO_SHARDS = ("zero1", "zero2", "zero3")
 OFFLOADS = ("optimizer", "params", "activations")
 OPTIMIZERS = ("keep", "sgd", "sgd-momentum", "adafactor", "adam8bit")
 KEYS = ("precision", "checkpoint", "accum", "shard", "world", "hybrid", "offload", "optimizer",
-        "tp", "sp", "pp", "schedule", "microbatches")
-#: pipeline schedules (``interleaved`` is named so that it is refused with its reason)
+        "tp", "sp", "pp", "schedule", "microbatches", "stages_per_rank")
+#: pipeline schedules (torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe,
+#: ScheduleInterleaved1F1B)
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+#: stages each rank holds under schedule=interleaved when the plan does not say
+DEFAULT_STAGES_PER_RANK = 2
 #: keys whose compact form may stand alone (``sp`` = ``sp=on``)
 FLAGS = ("sp",)
 _TRUE, _FALSE = ("on", "true", "yes", "1"), ("off", "false", "no", "0", "none")
@@ -85,10 +88,14 @@ class Plan:
     last what comes after it (final norm, head, loss)."""
     schedule: str = "1f1b"
     """pipeline schedule: 1f1b (stage s holds at most P - s micro-batches' activations) |
-    gpipe (every stage holds all M) | interleaved (refused for now)."""
+    gpipe (every stage holds all M) | interleaved (each rank holds V stages of P x V, rank r
+    the stages r, r + P, ...: a bubble V times smaller, more micro-batches in flight)."""
     microbatches: int | None = None
     """pipeline micro-batches M per step (default P); the batch is cut into M parts that
     flow through the stages, their gradients summed with weight 1/M."""
+    stages_per_rank: int | None = None
+    """V, the stages (virtual stages) each rank holds under schedule=interleaved (default
+    2): the block stack is cut into P x V stages."""
 
     def __post_init__(self):
         # normalise the forms a JSON file or a caller may use, then validate
@@ -159,7 +166,7 @@ class Plan:
         for key, value in data.items():
             if key in ("accum", "world", "tp", "pp"):
                 kwargs[key] = _as_int(value, key, minimum=1)
-            elif key == "microbatches":
+            elif key in ("microbatches", "stages_per_rank"):
                 kwargs[key] = None if value in (None, "", "none") else _as_int(value, key, 1)
             elif key in FLAGS:
                 kwargs[key] = _as_flag(value, key)
@@ -227,6 +234,18 @@ class Plan:
         if self.pp <= 1:
             return 1
         return self.microbatches or self.pp
+
+    @property
+    def pipeline_stages_per_rank(self) -> int:
+        """V: pipeline stages each rank holds (1 unless ``schedule=interleaved``)."""
+        if self.pp <= 1 or self.schedule != "interleaved":
+            return 1
+        return self.stages_per_rank or DEFAULT_STAGES_PER_RANK
+
+    @property
+    def pipeline_stages(self) -> int:
+        """P x V: the stages the block stack is cut into (1 without ``pp``)."""
+        return self.pp * self.pipeline_stages_per_rank if self.pp > 1 else 1
 
     @property
     def shard_group_size(self) -> int:
@@ -402,22 +421,35 @@ def _tensor_parallel_problems(plan: Plan) -> Iterable[str]:
 
 
 def _pipeline_problems(plan: Plan) -> Iterable[str]:
-    """Why a pp plan cannot run (first increment: a pipeline alone, world = pp)."""
+    """Why a pp plan cannot run (a pipeline alone, world = pp)."""
     pp, schedule, microbatches = plan.pp, plan.schedule, plan.microbatches
+    virtual = plan.stages_per_rank
     if schedule not in SCHEDULES:
         yield f"plan key schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}"
         return
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        yield "plan key microbatches must be a whole number of at least 1"
-        return
+    for key, value in (("microbatches", microbatches), ("stages_per_rank", virtual)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            yield f"plan key {key} must be a whole number of at least 1"
+            return
     if not isinstance(pp, int) or pp < 2:
-        if schedule != "1f1b" or microbatches is not None:
-            yield ("schedule and microbatches are pipeline-parallel settings: add pp=2 or more "
-                   "(for micro-batches without a pipeline, use accum)")
+        if schedule != "1f1b" or microbatches is not None or virtual is not None:
+            yield ("schedule, microbatches and stages_per_rank are pipeline-parallel settings: "
+                   "add pp=2 or more (for micro-batches without a pipeline, use accum)")
         return
+    if virtual is not None and schedule != "interleaved":
+        yield (f"stages_per_rank={virtual} needs schedule=interleaved (1f1b and gpipe hold one "
+               "stage per rank)")
     if schedule == "interleaved":
-        yield ("schedule=interleaved (several stages per rank, ScheduleInterleaved1F1B) is not "
-               "supported yet: use schedule=1f1b or gpipe")
+        if virtual is not None and virtual < 2:
+            yield ("schedule=interleaved with stages_per_rank=1 is schedule=1f1b: give "
+                   "stages_per_rank=2 or more")
+        m = plan.pipeline_microbatches
+        rounds = max(1, m // pp)
+        if m % rounds:
+            # torch 2.13's ScheduleInterleaved1F1B runs rounds of M // rounds micro-batches
+            yield (f"schedule=interleaved with pp={pp} runs max(1, M // P) = {rounds} rounds "
+                   f"of micro-batches, which must divide microbatches={m}: use a multiple of "
+                   f"{pp} or fewer than {2 * pp}")
     if plan.tp > 1:
         yield f"pp={pp} with tp={plan.tp} is not supported yet: use one of them"
     if plan.shard != "none" or plan.hybrid is not None:
@@ -707,8 +739,8 @@ def pipeline_stage_ranges(num_blocks: int, num_stages: int) -> list[range]:
     """Contiguous, balanced block index ranges per pipeline stage, the first stages taking
     the extra blocks: the one rule apply's stages and the simulator's follow."""
     if num_blocks < num_stages:
-        raise PlanError(f"pp={num_stages} needs at least {num_stages} repeated blocks to give "
-                        f"each stage one; the model has {num_blocks}")
+        raise PlanError(f"{num_stages} pipeline stages need at least {num_stages} repeated "
+                        f"blocks to give each stage one; the model has {num_blocks}")
     base, extra = divmod(num_blocks, num_stages)
     ranges, start = [], 0
     for stage in range(num_stages):

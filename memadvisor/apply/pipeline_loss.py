@@ -9,6 +9,24 @@ import torch
 from ..plan import PlanError
 
 
+def loss_position(output):
+    """Where the model's output holds its loss (a 0-dim floating tensor), or None."""
+    def is_loss(value):
+        return (isinstance(value, torch.Tensor) and value.dim() == 0
+                and value.is_floating_point())
+    if is_loss(output):
+        return ("tensor", None)
+    if isinstance(output, (tuple, list)):
+        hits = [i for i, v in enumerate(output) if is_loss(v)]
+        if len(hits) == 1:
+            return (type(output).__name__, (len(output), hits[0]))
+    if isinstance(output, dict):
+        hits = [k for k, v in output.items() if is_loss(v)]
+        if len(hits) == 1:
+            return ("dict", (tuple(output), hits[0]))
+    return None
+
+
 def check_loss(loss, loss_fn, num_stages: int) -> None:
     """PlanError unless the script's loss function gave one floating number (the schedule
     averages the micro-batches' losses and backpropagates each)."""

@@ -22,8 +22,12 @@ increment: only the first stage's embedding and the last stage's head take part 
 math, and their gradients (zero elsewhere) are summed over the stages after each step's
 schedule, which also makes a weight tied between the embedding and the head (GPT) right.
 
-``ScheduleGPipe`` / ``Schedule1F1B`` run ``microbatches=M`` micro-batches with
-``scale_grads=True`` (gradients divided by M): the mean-loss math of the unmodified step.
+``ScheduleGPipe`` / ``Schedule1F1B`` run ``microbatches=M`` micro-batches, the gradients
+divided by M after the schedule: the mean-loss math of the unmodified step.  Under
+``schedule=interleaved`` the stack is cut into P x V stages and rank r holds stages r,
+r + P, ...: V ``_Stage`` modules over the one model, each entered and left at its own
+blocks, the rank's other blocks passing the stream through while it runs
+(``ScheduleInterleaved1F1B``).
 The forward must be embed -> blocks -> head: a block's input that is not the previous
 block's output (the forward changes the stream between blocks, or calls a block twice) is
 refused on the first batch, on every rank alike, as is a model whose output holds no loss
@@ -48,7 +52,8 @@ from torch import nn
 from ..plan import Plan, PlanError, pipeline_stage_ranges, repeated_blocks
 from . import checkpointing
 from .pipeline_collectives import clip_grad_norm_, full_parameters  # noqa: F401 (runtime's)
-from .pipeline_loss import check_loss, entered, parameter_name
+from .pipeline_loss import check_loss, entered, loss_position, parameter_name
+from .pipeline_schedule import build_schedule, describe  # noqa: F401 (runtime's)
 
 _ARG = "_memadvisor_arg"  #: the script's positional arguments travel as keyword arguments
 _TARGET = "_memadvisor_target"  #: the batch tensors the script's loss function reads
@@ -72,32 +77,18 @@ class _Skip(nn.Module):
 stage_ranges = pipeline_stage_ranges  #: the rule lives with the plan (plan.py)
 
 
-def _loss_position(output):
-    """Where the model's output holds its loss (a 0-dim floating tensor), or None."""
-    def is_loss(value):
-        return (isinstance(value, torch.Tensor) and value.dim() == 0
-                and value.is_floating_point())
-    if is_loss(output):
-        return ("tensor", None)
-    if isinstance(output, (tuple, list)):
-        hits = [i for i, v in enumerate(output) if is_loss(v)]
-        if len(hits) == 1:
-            return (type(output).__name__, (len(output), hits[0]))
-    if isinstance(output, dict):
-        hits = [k for k, v in output.items() if is_loss(v)]
-        if len(hits) == 1:
-            return ("dict", (tuple(output), hits[0]))
-    return None
-
-
 class _Stage(nn.Module):
     """What ``PipelineStage`` runs: the model's own forward, entered or left at this stage's
-    blocks by the hooks ``PipelineModel`` installs."""
+    blocks by the hooks ``PipelineModel`` installs (a rank holds V of them under
+    ``schedule=interleaved``, each the same model entered at other blocks)."""
 
-    def __init__(self, model: nn.Module, num_args: int, num_targets: int, is_last: bool,
-                 position):
+    def __init__(self, owner: "PipelineModel", stage_index: int, blocks: range,
+                 num_args: int, num_targets: int, is_last: bool, position):
         super().__init__()
-        self.model = model
+        self.model = owner.module
+        object.__setattr__(self, "owner", owner)  # not a submodule: no cycle in modules()
+        self.stage_index = stage_index
+        self.blocks = blocks
         self.num_args = num_args
         self.num_targets = num_targets
         self.is_last = is_last
@@ -110,6 +101,7 @@ class _Stage(nn.Module):
         args = [kwargs.pop(f"{_ARG}{i}") for i in range(self.num_args)]
         targets = [kwargs.pop(f"{_TARGET}{i}") for i in range(self.num_targets)]
         self.received = received[0] if received else None
+        self.owner.active = self
         try:
             with entered(self.context):
                 output = self.model(*args, **kwargs)
@@ -117,6 +109,7 @@ class _Stage(nn.Module):
             return done.output
         finally:
             self.received = None
+            self.owner.active = None
         kind, where = self.position
         if kind == "loss_fn":
             return self.loss_fn(output, *targets)
@@ -128,18 +121,21 @@ class PipelineModel(nn.Module):
     forward and backward of every micro-batch -- and returns the model's output with the
     loss (the mean over micro-batches, on every rank) in its place and None for the rest."""
 
-    def __init__(self, module: nn.Module, plan: Plan, stage_index: int, blocks: list[str],
-                 owned: range, device: torch.device):
+    def __init__(self, module: nn.Module, plan: Plan, rank: int, blocks: list[str],
+                 chunks: list[range], device: torch.device):
         super().__init__()
         self.module = module
         self.plan = plan
-        self.stage_index = stage_index
-        self.num_stages = plan.pp
+        self.stage_index = rank  #: this rank's place in the pipeline (its first stage)
+        self.num_stages = plan.pipeline_stages  #: P x V
+        self.stage_indices = [c * plan.pp + rank for c in range(len(chunks))]
         self.block_paths = blocks
-        self.owned = owned
+        self.chunks = chunks  #: per stage this rank holds: its block indices
+        self.owned = chunks[0] if len(chunks) == 1 else [i for c in chunks for i in c]
         self.device = device
         self.schedule = None
-        self.stage = None
+        self.stages: list = []  #: this rank's PipelineStages
+        self.active = None  #: the _Stage whose forward runs now (None: the dry run)
         self.position = None
         self.with_loss_function = None  #: whether the first step came with a loss function
         self.dry_run = False
@@ -151,43 +147,59 @@ class PipelineModel(nn.Module):
                            if not any(name.startswith(b + ".") for b in blocks)]
         for index, path in enumerate(blocks):
             parent, _, leaf = path.rpartition(".")
-            if index not in owned:
+            if index not in self.owned:
                 setattr(modules[parent] if parent else module, leaf, _Skip())
         modules = dict(module.named_modules())
         for index, path in enumerate(blocks):
             block = modules[path]
             block.register_forward_pre_hook(self._make_pre_hook(index))
             block.register_forward_hook(self._make_hook(index))
+            if len(chunks) > 1 and index in self.owned:
+                block.forward = self._gated(index, block.forward)
+
+    def _gated(self, index: int, forward):
+        """A block of this rank's that another of its stages holds passes the stream through
+        while that stage runs (a recomputation under checkpointing calls the inner forward,
+        and the dry run has no stage: both run the block)."""
+        def run(x, *args, **kwargs):
+            active = self.active
+            if active is not None and index not in active.blocks:
+                return x
+            return forward(x, *args, **kwargs)
+        return run
 
     # --- hooks ---------------------------------------------------------------------------
     def _make_pre_hook(self, index: int):
         def pre_hook(block, args):
             if not args or not isinstance(args[0], torch.Tensor):
-                raise PlanError(f"pp={self.num_stages}: block {self.block_paths[index]} is not "
+                raise PlanError(f"pp={self.plan.pp}: block {self.block_paths[index]} is not "
                                 "called with the stream tensor as its first positional "
                                 "argument, so stages cannot hand it on")
             previous = self.outputs.get(index - 1)
             if index > 0 and (previous is None or args[0] is not previous()):
                 raise PlanError(
-                    f"pp={self.num_stages}: the model's forward does more than embed -> blocks "
+                    f"pp={self.plan.pp}: the model's forward does more than embed -> blocks "
                     f"-> head: block {self.block_paths[index]}'s input is not block "
                     f"{self.block_paths[index - 1]}'s output (the stream is changed between "
                     "blocks, or a block is called twice), so it cannot be cut into stages")
-            if (index == self.owned.start and self.stage_index > 0 and not self.dry_run
-                    and self.stage is not None and self.stage.submod.received is not None):
-                return (self.stage.submod.received, *args[1:])
+            active = self.active
+            if (active is not None and index == active.blocks.start
+                    and active.stage_index > 0 and not self.dry_run
+                    and active.received is not None):
+                return (active.received, *args[1:])
             return None
         return pre_hook
 
     def _make_hook(self, index: int):
         def hook(block, args, output):
             if not isinstance(output, torch.Tensor):
-                raise PlanError(f"pp={self.num_stages}: block {self.block_paths[index]} returns "
+                raise PlanError(f"pp={self.plan.pp}: block {self.block_paths[index]} returns "
                                 f"{type(output).__name__}, not one tensor to send to the next "
                                 "stage")
             self.outputs[index] = weakref.ref(output)
-            if (index == self.owned.stop - 1 and self.stage_index < self.num_stages - 1
-                    and not self.dry_run):
+            active = self.active
+            if (active is not None and index == active.blocks.stop - 1
+                    and not active.is_last and not self.dry_run):
                 self.outputs.clear()
                 raise _StageDone(output)
             return None
@@ -199,8 +211,6 @@ class PipelineModel(nn.Module):
         rank holds it (other stages' blocks skipped) finds the stream's shape and the loss
         in the output (or checks the script's loss function gives one); every rank runs the
         same checks, so a refusal stops all alike."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         micro = batch_size // self.plan.pipeline_microbatches
         first = {k: (v[:micro] if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         num_args = sum(k.startswith(_ARG) for k in kwargs)
@@ -219,15 +229,15 @@ class PipelineModel(nn.Module):
                 with entered(context):
                     output = self.module(*args, **first)
                 position = (("loss_fn", None) if loss_fn is not None
-                            else _loss_position(output))
+                            else loss_position(output))
                 if loss_fn is not None:
-                    check_loss(loss_fn(output, *targets), loss_fn, self.num_stages)
+                    check_loss(loss_fn(output, *targets), loss_fn, self.plan.pp)
         finally:
             self.dry_run = False
             handle.remove()
             self.outputs.clear()
         if position is None:
-            raise PlanError(f"pp={self.num_stages}: the model's output holds no loss (one 0-dim "
+            raise PlanError(f"pp={self.plan.pp}: the model's output holds no loss (one 0-dim "
                             f"tensor; it returned {type(output).__name__}) and the script "
                             "computes its loss from the output but calls the model directly: "
                             "apply the pp plan to the original script, whose rewrite hands "
@@ -238,17 +248,12 @@ class PipelineModel(nn.Module):
         # (torch 2.13's PipelineStage takes it from the example tensors given here)
         meta = torch.empty(x.shape, dtype=x.dtype, device=self.device,
                            requires_grad=x.is_floating_point())
-        is_last = self.stage_index == self.num_stages - 1
         del output
-        submodule = _Stage(self.module, num_args, num_targets, is_last, position)
-        self.stage = PipelineStage(
-            submodule, self.stage_index, self.num_stages, self.device,
-            input_args=(meta,) if self.stage_index > 0 else (),
-            output_args=(meta,) if not is_last else (
-                torch.empty((), device=self.device, requires_grad=True),))
-        schedule_class = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
-        self.schedule = schedule_class(self.stage, n_microbatches=self.plan.pipeline_microbatches,
-                                       loss_fn=_identity_loss, scale_grads=True)
+        self.stages, self.schedule = build_schedule(
+            self.plan, [(index, _Stage(self, index, chunk, num_args, num_targets,
+                                       index == self.num_stages - 1, position))
+                        for index, chunk in zip(self.stage_indices, self.chunks)],
+            meta, self.device)
 
     def forward(self, *args, **kwargs):
         return self._step(args, kwargs)
@@ -259,7 +264,7 @@ class PipelineModel(nn.Module):
         every stage's forward in ``context()`` when given; returns the step's mean loss."""
         for index, target in enumerate(targets):
             if not isinstance(target, torch.Tensor):
-                raise PlanError(f"pp={self.num_stages}: the loss reads "
+                raise PlanError(f"pp={self.plan.pp}: the loss reads "
                                 f"`{parameter_name(loss_fn, index + 1)}`, a "
                                 f"{type(target).__name__}, not a tensor the pipeline can cut "
                                 "into micro-batches")
@@ -268,13 +273,13 @@ class PipelineModel(nn.Module):
     def _step(self, args: tuple, kwargs: dict, loss_fn=None, targets: tuple = (),
               context=None):
         if not torch.is_grad_enabled():
-            raise PlanError(f"pp={self.num_stages}: the pipelined model was called without "
+            raise PlanError(f"pp={self.plan.pp}: the pipelined model was called without "
                             "gradients (an evaluation under torch.no_grad): only training "
                             "steps run through the pipeline in this increment")
         batch = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
                       and a.dim() > 0), None)
         if batch is None:
-            raise PlanError(f"pp={self.num_stages}: the model is called without a batch tensor")
+            raise PlanError(f"pp={self.plan.pp}: the model is called without a batch tensor")
         batch_size = batch.shape[0]
         self.plan.micro_batch_size(batch_size)  # PlanError when M does not divide it
         for name, value in (*((f"argument {i}", a) for i, a in enumerate(args)),
@@ -283,7 +288,7 @@ class PipelineModel(nn.Module):
                               for i, t in enumerate(targets))):
             if isinstance(value, torch.Tensor) and (value.dim() == 0
                                                    or value.shape[0] != batch_size):
-                raise PlanError(f"pp={self.num_stages}: {name} of the model call has shape "
+                raise PlanError(f"pp={self.plan.pp}: {name} of the model call has shape "
                                 f"{tuple(value.shape)}, not a batch of {batch_size} first: the "
                                 "pipeline cuts every tensor argument into micro-batches")
         inputs = {f"{_ARG}{i}": a for i, a in enumerate(args)}
@@ -293,15 +298,17 @@ class PipelineModel(nn.Module):
             self._build(inputs, batch_size, loss_fn, context)
             self.with_loss_function = loss_fn is not None
         if self.with_loss_function != (loss_fn is not None):
-            raise PlanError(f"pp={self.num_stages}: the model is called both with the script's "
+            raise PlanError(f"pp={self.plan.pp}: the model is called both with the script's "
                             "loss function and without it; one pipeline runs one of them")
-        self.stage.submod.loss_fn = loss_fn
-        self.stage.submod.context = context
+        for stage in self.stages:
+            stage.submod.loss_fn = loss_fn
+            stage.submod.context = context
         losses: list[torch.Tensor] = []
         target = torch.zeros(batch_size, device=self.device)
         earlier = self._set_aside_gradients()
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
         self.outputs.clear()
+        self._scale_gradients()
         self._sum_replicated_gradients()
         for p in self.module.parameters():
             before = earlier.get(id(p))
@@ -310,9 +317,10 @@ class PipelineModel(nn.Module):
         loss = torch.zeros((), device=self.device)
         if losses:
             loss = torch.stack([l.detach().float() for l in losses]).mean()
-        dist.broadcast(loss, src=self.num_stages - 1)  # world = pp: stage s is rank s
+        dist.broadcast(loss, src=self.plan.pp - 1)  # world = pp: the last stage's rank
         loss._memadvisor_pipeline = True
-        self.stage.submod.loss_fn = self.stage.submod.context = None  # keep nothing alive
+        for stage in self.stages:  # keep nothing alive
+            stage.submod.loss_fn = stage.submod.context = None
         kind, where = self.position
         if kind in ("tensor", "loss_fn"):
             return loss
@@ -336,6 +344,15 @@ class PipelineModel(nn.Module):
                 p.grad = None
         return earlier
 
+    def _scale_gradients(self):
+        """Each gradient of this rank divided by M once (the mean-loss math of the
+        unmodified step), as ``scale_grads=True`` does for one stage."""
+        m = self.plan.pipeline_microbatches
+        if m != 1:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(m)
+
     def _sum_replicated_gradients(self):
         """The layers outside the stack: only the first and last stages compute their
         gradients (zero elsewhere); summed over the stages, every rank steps them alike."""
@@ -345,10 +362,6 @@ class PipelineModel(nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad)
-
-
-def _identity_loss(output, target):
-    return output
 
 
 def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
@@ -364,7 +377,9 @@ def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Pl
         raise PlanError(f"pp={plan.pp}: the repeated blocks are the model's own top-level "
                         "Sequential children; their forward is not a hook point memadvisor "
                         "can cut (wrap the stack in a ModuleList inside a model)")
-    owned = stage_ranges(len(blocks), plan.pp)[rank]
+    ranges = stage_ranges(len(blocks), plan.pipeline_stages)
+    chunks = ranges[rank::plan.pp]  # stages r, r + P, ... (torch's loop-style placement)
+    owned = {i for chunk in chunks for i in chunk}
     kept_names = {n for n, _ in module.named_parameters()
                   if not any(n.startswith(b + ".") for i, b in enumerate(blocks)
                              if i not in owned)}
@@ -374,11 +389,4 @@ def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Pl
         group["params"] = [p for p in group["params"] if id(p) in kept]
     device = torch.device(device_type if device_type != "cuda"
                           else f"cuda:{torch.cuda.current_device()}")
-    return PipelineModel(module, plan, rank, blocks, owned, device)
-
-
-def describe(model: PipelineModel) -> str:
-    owned = model.owned
-    return (f"pipeline stage {model.stage_index} of {model.num_stages} "
-            f"(blocks {owned.start}-{owned.stop - 1} of {len(model.block_paths)}, "
-            f"{model.plan.schedule}, {model.plan.pipeline_microbatches} micro-batches)")
+    return PipelineModel(module, plan, rank, blocks, chunks, device)

@@ -28,8 +28,24 @@ def test_pp_knobs_parse_default_and_round_trip():
     assert gpipe.micro_batch_size(8) == 2
 
 
+def test_interleaved_knobs_default_to_two_stages_per_rank():
+    plan = Plan.parse("pp=2,schedule=interleaved")
+    assert (plan.world, plan.pipeline_stages_per_rank, plan.pipeline_stages) == (2, 2, 4)
+    assert plan.pipeline_microbatches == 2 and plan.micro_batch_size(8) == 4
+    three = Plan.parse("pp=2,schedule=interleaved,stages_per_rank=3,microbatches=4")
+    assert three.pipeline_stages == 6
+    assert Plan.parse(three.to_compact()) == three
+    assert three.to_compact() == "world=2,pp=2,schedule=interleaved,microbatches=4,stages_per_rank=3"
+    # torch's ScheduleInterleaved1F1B runs max(1, M // P) rounds, which must divide M
+    assert Plan.parse("pp=2,schedule=interleaved,microbatches=3").pipeline_microbatches == 3
+    assert Plan.parse("pp=2,world=2").pipeline_stages_per_rank == 1
+
+
 @pytest.mark.parametrize("text, words", [
-    ("pp=2,world=2,schedule=interleaved", "interleaved .* not supported yet"),
+    ("pp=2,world=2,stages_per_rank=2", "stages_per_rank=2 needs schedule=interleaved"),
+    ("pp=2,schedule=interleaved,stages_per_rank=1", "stages_per_rank=1 is schedule=1f1b"),
+    ("pp=2,schedule=interleaved,microbatches=5", "2 rounds of micro-batches, which must divide"),
+    ("stages_per_rank=2", "add pp=2"),
     ("pp=2,world=2,schedule=zigzag", "schedule must be one of"),
     ("pp=2,world=2,microbatches=1", "needs at least 2 micro-batches"),
     ("pp=2,world=4", "world must equal pp"),
@@ -66,6 +82,22 @@ def test_stage_ranges_are_contiguous_and_balanced():
     assert pipeline_parallel.stage_ranges(3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
     with pytest.raises(PlanError, match="at least 4 repeated blocks"):
         pipeline_parallel.stage_ranges(3, 4)
+
+
+def test_an_interleaved_rank_holds_stages_r_and_r_plus_p():
+    """pp=2 x 2 stages per rank over 4 blocks: rank 0 holds stages 0 and 2 (blocks 0, 2), as
+    torch's loop-style placement puts stage s on rank s % P."""
+    model = Model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = Plan.parse("pp=2,schedule=interleaved")
+    stage = pipeline_parallel.apply_pipeline(model, optimizer, plan, 0, "cpu")
+    names = {n for n, _ in model.named_parameters()}
+    assert {"blocks.0.fc.weight", "blocks.2.fc.weight"} <= names
+    assert not any(n.startswith(("blocks.1.", "blocks.3.")) for n in names)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(names)
+    assert stage.stage_indices == [0, 2] and stage.chunks == [range(0, 1), range(2, 3)]
+    assert "rank 0 of 2: stages 0 (blocks 0), 2 (blocks 2) of 4" in \
+        pipeline_parallel.describe(stage)
 
 
 class Block(nn.Module):
@@ -162,6 +194,29 @@ def test_pp2_on_two_ranks_trains_as_the_unmodified_run(tmp_path):
         parts = Plan.parse(plan).pipeline_microbatches
         assert same_math_error(params, original, parts) <= 1, \
             (plan, relative_error(params, original))
+
+
+#: interleaved needs P x V = 4 blocks: gpt_lm with 4 layers, and the zoo's Llama-style decoder
+#: (2 layers, no flag) copied with 4
+GPT4_ARGS = [*GPT_ARGS, "--n-layer", "4"]
+
+
+@pytest.mark.slow
+def test_interleaved_on_two_ranks_trains_as_the_unmodified_run(tmp_path):
+    """Each rank holds 2 of 4 stages, the model's forward entered at each stage's blocks and
+    the rank's other blocks passing the stream through; torch's ScheduleInterleaved1F1B runs
+    them.  Same math in another order, M parts, as the 1F1B case."""
+    llama4 = tmp_path / "llama4.py"
+    llama4.write_text(LLAMA.read_text().replace("n_layers: int = 2", "n_layers: int = 4"))
+    jobs = [(GPT, "pp=2,schedule=interleaved", GPT4_ARGS),
+            (GPT, "pp=2,schedule=interleaved,microbatches=4,checkpoint=auto", GPT4_ARGS),
+            (llama4, "pp=2,schedule=interleaved,microbatches=4", LLAMA_ARGS)]
+    results = run_distributed(jobs, 2, tmp_path)
+    originals = {GPT: run_original(GPT, GPT4_ARGS), llama4: run_original(llama4, LLAMA_ARGS)}
+    for (script, plan, _), params in zip(jobs, results):
+        parts = Plan.parse(plan).pipeline_microbatches
+        assert same_math_error(params, originals[script], parts) <= 1, \
+            (script.name, plan, relative_error(params, originals[script]))
 
 
 # --- a loss the script computes from the model's output ------------------------------------
