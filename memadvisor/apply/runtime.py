@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Environment, Plan, PlanError, environment_problems, repeated_blocks
-from . import (batching, checkpointing, checks, optimizers, pipeline_parallel, precision,
-               sharding, tensor_parallel)
+from . import (batch_watch, batching, checkpointing, checks, optimizers, pipeline_parallel,
+               precision, sharding, tensor_parallel)
 
 _session: "Session | None" = None  #: the latest session (micro_batches splits for it)
 _sessions: "list[Session]" = []
@@ -52,6 +52,8 @@ class Session:
         self.last_step = -1  #: when this optimizer last stepped (a process-wide count)
         self.backwards = 0  #: backward calls since the last step
         self.weighted_backwards = 0  #: of which inside micro_batches (loss scaled 1/accum)
+        self.coupling_checked = False  #: the first micro-batch was watched (batch_watch)
+        self.coupling_watch = None  #: its CouplingWatch while its loss is being made
 
     def loss_weight(self) -> float:
         return 1.0 / self.micro_batches_per_step
@@ -127,6 +129,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
     precision.cast_parameters(module, plan)
     checkpointed = checkpointing.apply_checkpointing(module, plan, evidence)
     precision.wrap_forward(module, plan, device_type, evidence)
+    batch_watch.watch_first_forward(module, plan.precision)
     tp_layout = tensor_parallel.apply_tensor_parallel(module, plan, device_type)
     blocks = repeated_blocks(checkpointing.module_entries(module)) if plan.uses_fsdp else []
     wrapped = sharding.wrap_model(module, plan, device_type, blocks)
@@ -229,10 +232,22 @@ def micro_batches(*values, batch_dims=None):
                 model=session.model, batch_dims=batch_dims,
                 decided=decided)):
             last = index == plan.accum - 1
+            _end_coupling_watch(session)
+            if not session.coupling_checked and plan.pp == 1:  # the first micro-batch
+                session.coupling_checked = True
+                session.coupling_watch = batch_watch.start_coupling_watch(
+                    values, part, plan.data_parallel_size * plan.accum, str(plan))
             with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
                 yield part if len(values) != 1 else part[0]
     finally:
+        _end_coupling_watch(session)
         session.micro_batches_per_step = 1
+
+
+def _end_coupling_watch(session: Session) -> None:
+    """The first micro-batch's loss is made (``backward``) or the next one begins."""
+    watch, session.coupling_watch = session.coupling_watch, None
+    batch_watch.end_coupling_watch(watch)
 
 
 def _active_scaler(script_scaler):
@@ -257,6 +272,7 @@ def backward(loss: torch.Tensor, *args, scaler=None, **kwargs) -> None:
     if session.plan.pp > 1:
         raise PlanError(f"pp={session.plan.pp}: the loss given to backward is not the one the "
                         "pipelined model returned (the pipeline runs the backward itself)")
+    _end_coupling_watch(session)
     weight = session.loss_weight()
     for each in _sessions:
         each.backwards += 1

@@ -55,12 +55,17 @@ DEFAULT_RANK_TIMEOUT_S = 1800.0
                    "processes, as gloo's collective timeout; never in one process].")
 @click.option("--save-parameters", type=click.Path(path_type=Path), metavar="FILE",
               help="After the run, save the full parameters (torch.save) to compare runs.")
+@click.option("--allow-batch-coupling", is_flag=True,
+              help="Run an accum or data-parallel plan although the loss couples the batch's "
+                   "samples (in-batch negatives): each micro-batch and rank then computes it "
+                   "over its own samples only, a different loss [default: refused].")
 @click.option("-q", "--quiet", is_flag=True, help="Do not print the diff.")
 @click.argument("launcher_args", nargs=-1, type=click.UNPROCESSED,
                 metavar="[TORCHRUN OPTIONS]... [-- SCRIPT ARGS...]")
 @click.pass_context
 def command(ctx, script, plan_text, output, in_place, dry_run, no_run, nproc, profile_path,
-            profile_steps, steps, timeout_s, save_parameters, quiet, launcher_args):
+            profile_steps, steps, timeout_s, save_parameters, allow_batch_coupling, quiet,
+            launcher_args):
     """Rewrite SCRIPT to use PLAN (a diff is printed), write it beside SCRIPT, and run it:
     in this process, or with torchrun on --nproc processes.  Arguments after -- go to the
     script; other unknown options before -- go to torchrun."""
@@ -89,6 +94,10 @@ def command(ctx, script, plan_text, output, in_place, dry_run, no_run, nproc, pr
     click.echo(f"memadvisor: wrote {destination.path}{kept}", err=True)
     if no_run:
         return 0
+    if allow_batch_coupling:  # read by the rewritten script's ranks (apply/batch_watch.py)
+        import os
+        from ..apply.batch_watch import ALLOW_ENV
+        os.environ[ALLOW_ENV] = "1"
     where = "in this process" if nproc == 1 and not launcher_args else f"on {nproc} processes"
     click.echo(f"memadvisor: running {destination.path.name} with plan {plan} {where}", err=True)
     return launch.run(launch.LaunchRequest(
