@@ -43,7 +43,7 @@ MIXED_DTYPE_REFUSED = {
     "scatter_": 2, "scatter": 2, "scatter_reduce_": 2, "scatter_reduce": 2,
     "index_copy_": 2, "index_copy": 2, "index_reduce_": 2, "index_reduce": 2,
     "masked_scatter_": 1, "masked_scatter": 1, "index_put_": 1, "index_put": 1,
-    "put_": 1, "__setitem__": 1}
+    "put_": 1, "__setitem__": 1}  # x[index] = v with a tensor index: index_put_
 _SOURCE_KEYWORDS = ("source", "src", "values", "value")
 
 
@@ -126,6 +126,8 @@ class DtypeWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         where = MIXED_DTYPE_REFUSED.get(name)
+        if name == "__setitem__" and not _advanced_index(args[1] if len(args) > 1 else None):
+            where = None  # basic indexing (slices, ints) copies, casting the source
         if where is not None and args and isinstance(args[0], torch.Tensor):
             source = args[where + 1] if len(args) > where + 1 else next(
                 (kwargs[k] for k in _SOURCE_KEYWORDS if k in kwargs), None)
@@ -140,6 +142,12 @@ class DtypeWatch(TorchFunctionMode):
                     "other comes from the model's 16-bit compute; make them agree (e.g. "
                     "dtype=source.dtype, or source.to(destination.dtype)) or keep fp32")
         return func(*args, **kwargs)
+
+
+def _advanced_index(index) -> bool:
+    """``x[index] = v`` runs ``index_put_`` (which refuses another dtype) where the index
+    holds a tensor with dimensions; slices, ints and 0-d tensors copy."""
+    return any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tree_flatten(index)[0])
 
 
 def _dtype(tensor: torch.Tensor) -> str:

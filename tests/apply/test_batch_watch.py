@@ -161,3 +161,18 @@ def test_matching_dtypes_run(tmp_path):
                             "torch.zeros_like(h).index_add_(0, edges[1], msg.to(h.dtype))")
     run = apply(tmp_path, fixed, "--plan", "precision=amp-bf16")
     assert run.returncode == 0, run.stderr
+
+
+def test_the_watch_stops_advanced_indexing_only(tmp_path):
+    """``x[idx] = v`` with a tensor index is index_put_ (refuses), with a slice a cast copy."""
+    import torch
+
+    from memadvisor.apply.batch_watch import DtypeWatch
+    from memadvisor.plan import PlanError
+    buffer, values = torch.zeros(4), torch.ones(2, dtype=torch.bfloat16)
+    with DtypeWatch("amp-bf16"):
+        buffer[0:2] = values
+        buffer[torch.tensor(1)] = values[0]
+    with pytest.raises(PlanError, match="__setitem__ writes a bfloat16 source into a float32"):
+        with DtypeWatch("amp-bf16"):
+            buffer[torch.tensor([0, 1])] = values
