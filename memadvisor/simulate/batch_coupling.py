@@ -54,5 +54,20 @@ def coupling_warning(found: str) -> str:
     return (f"the loss couples the samples of a batch: {found}; accumulation and data "
             "parallelism give each micro-batch and rank only its own samples, which changes "
             "the loss, not only the memory (gather the other ranks' embeddings, or keep the "
-            "batch whole), and that tensor grows with the square of the batch: the largest "
-            "micro-batch that fits is not extrapolated")
+            "batch whole): `apply` refuses such a plan (--allow-batch-coupling runs it) and "
+            "`advise` does not propose one; that tensor grows with the square of the batch: "
+            "the largest micro-batch that fits is not extrapolated")
+
+
+#: how a refusal of ``split_refusal`` begins (``advise`` lists these reasons)
+SPLIT_REFUSAL = "the loss couples the samples of a batch"
+
+
+def split_refusal(found: str | None, plan) -> str | None:
+    """Why ``advise`` leaves out ``plan``: it splits a batch whose loss couples the samples
+    (``apply`` refuses it, naming the line, unless told --allow-batch-coupling), else None."""
+    if not found or plan.data_parallel_size * plan.accum * plan.pipeline_microbatches <= 1:
+        return None
+    return (f"{SPLIT_REFUSAL} ({found}): plans that split the batch (accum, data "
+            "parallelism, pipeline micro-batches) change the loss; `apply` refuses them unless "
+            "--allow-batch-coupling")

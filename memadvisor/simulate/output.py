@@ -111,11 +111,24 @@ def advise_dict(base: Baseline, result: SearchResult, hw: Hardware) -> dict:
         "recorded_peak_bytes": base.peak.bytes,
         "evaluated": result.evaluated,
         "rejected": len(result.rejected),
+        "not_proposed": script_refusals(result.rejected),
         "over_budget": len(result.too_big),
         "plans": [prediction_dict(base, p, hw) for p in result.ranked],
         "max_micro_batch": result.max_micro_batch,
         "warnings": base.warnings,
     }
+
+
+def script_refusals(rejected) -> dict[str, int]:
+    """The reasons the script's own code gives to leave plans out (a loss coupling the
+    batch's samples, an op refusing mixed dtypes), each with how many plans it took."""
+    from .batch_coupling import SPLIT_REFUSAL
+    from .inplace_dtypes import REFUSAL_MARK
+    out: dict[str, int] = {}
+    for _, why in rejected:
+        if why.startswith(SPLIT_REFUSAL) or REFUSAL_MARK in why:
+            out[why] = out.get(why, 0) + 1
+    return out
 
 
 def advise_text(data: dict) -> str:
@@ -125,6 +138,8 @@ def advise_text(data: dict) -> str:
              f"{format_bytes(data['baseline_peak_bytes'])}",
              f"{data['evaluated']} plans: {len(data['plans'])} shown, "
              f"{data['over_budget']} over budget, {data['rejected']} cannot run here"]
+    lines += [f"not proposed ({count} plans): {why}"
+              for why, count in data.get("not_proposed", {}).items()]
     verification = data.get("verification")  # how the fits were decided (the command's)
     if verification is not None:
         lines.append(verification["text"])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from ..errors import UserError
 from ..plan import Environment, Plan, PlanError, environment_problems, tensor_parallel_blocks
 from ..units import format_bytes
+from .batch_coupling import split_refusal
 from .hardware import Hardware
 from .simulator import (Baseline, Prediction, layout_cache_keys, layout_key, max_micro_batch,
                         quick_simulate, simulate)
@@ -355,6 +356,10 @@ def group_by_layout(base: Baseline, hw: Hardware, plans: list[Plan], cache: dict
         problems = environment_problems(plan, env)
         if problems:
             outcomes[index] = (plan, problems[0])
+            continue
+        coupled = split_refusal(base.batch_coupled, plan)
+        if coupled:
+            outcomes[index] = (plan, coupled)
             continue
         try:
             by_layout.setdefault(layout_key(base, plan, hw, cache), []).append(index)

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from ..plan import FSDP_SHARDS, Plan, repeated_blocks, resolve_checkpoint_per_root
+from ..plan import FSDP_SHARDS, Plan, PlanError, repeated_blocks, resolve_checkpoint_per_root
 from ..trace import schema
 from ..trace.io import Trace
 from . import allocator as allocator_model
 from .accumulation import accumulated_events, accumulated_peak
 from .batch import RESIZE_OP, mark_batch_scaling, parameter_shapes, scale_batch
 from .batch_coupling import coupling, coupling_warning
+from . import inplace_dtypes
 from .checkpoint import apply_checkpoint
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
                    work_profile)
@@ -66,6 +67,10 @@ class Baseline:
     rewritten: Timeline | None = None
     #: the op that couples the batch's samples (``batch_coupling``), or None
     batch_coupled: str | None = None
+    #: the script's calls of ops refusing mixed dtypes (``inplace_dtypes.Sites``), or None
+    dtype_sites: object = None
+    #: (precision, device type) -> why that precision cannot run the script, or None
+    dtype_refusals: dict = field(default_factory=dict)
 
 
 def prepare(trace: Trace) -> Baseline:
@@ -107,7 +112,8 @@ def prepare(trace: Trace) -> Baseline:
     return Baseline(timeline, meta, int((meta.batch or {}).get("batch_size") or 0),
                     "cuda" if str(meta.device).startswith("cuda") else "cpu",
                     module_bytes, blocks, fractions, work, timeline.peak(), warnings,
-                    rewritten, coupled)
+                    rewritten, coupled,
+                    dtype_sites=inplace_dtypes.find_sites_in(trace, timeline))
 
 
 @dataclass
@@ -165,6 +171,7 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
     ``cache`` (a dict the caller keeps, e.g. ``advise`` over thousands of plans) holds the
     result of steps 1-3 per (checkpoint, precision, optimizer, device) with its event
     order sorted, so later steps only merge their few rows into it."""
+    refuse_dtypes(base, plan, hw)
     regions = _regions(base, plan, cache)
     key = _layout_key(regions, plan, hw)[:-1]
     if cache is not None and key in cache:
@@ -187,6 +194,17 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
     timeline, host = apply_offload(timeline, plan)
     # accumulation (7) is evaluated on this one-micro-step timeline: accumulated_peak
     return timeline, regions, notes, host, micro
+
+
+def refuse_dtypes(base: Baseline, plan: Plan, hw: Hardware) -> None:
+    """PlanError where the plan's precision meets an op of the script that refuses mixed
+    dtypes (``inplace_dtypes``); decided once per precision and device."""
+    key = (plan.precision, hw.device_type)
+    if key not in base.dtype_refusals:
+        base.dtype_refusals[key] = inplace_dtypes.refusal(
+            base.dtype_sites, base.timeline, plan.precision, hw.device_type)
+    if base.dtype_refusals[key]:
+        raise PlanError(base.dtype_refusals[key])
 
 
 def _regions(base: Baseline, plan: Plan, cache: dict | None) -> list[str]:
@@ -233,6 +251,7 @@ def quick_simulate(base: Baseline, plan: Plan, hw: Hardware, cache: dict,
     the plan's layout bounds (``bounds.LayoutBounds``, one per lifetime layout, kept in
     ``bounds_cache``) instead of a replay; None where the bounds cannot express the plan.
     The returned prediction carries no timeline, categories or host bytes."""
+    refuse_dtypes(base, plan, hw)
     if plan.tp > 1 or plan.pp > 1:
         return None  # the bounds know nothing of tensor or pipeline parallelism: replay it
     regions = _regions(base, plan, cache)

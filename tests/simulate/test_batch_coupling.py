@@ -61,3 +61,14 @@ def test_a_latent_as_wide_as_the_batch_couples_nothing(loops):
     assert base.batch_coupled is None
     cpu = hardware(None, "cpu")
     assert max_micro_batch(base, Plan.parse("accum=2"), cpu, 1 << 30) > 0
+
+
+def test_advise_proposes_no_plan_that_splits_a_coupled_batch(loops):
+    from memadvisor.simulate import advise
+    from memadvisor.simulate.batch_coupling import SPLIT_REFUSAL
+    base = prepare(_contrastive())
+    result = advise(base, hardware(None, "cpu"), 1 << 30, 2, top=100)
+    assert result.ranked
+    assert all(p.plan.accum == 1 and p.plan.world == 1 for p in result.ranked)
+    split = [why for plan, why in result.rejected if plan.accum > 1 or plan.world > 1]
+    assert split and all(why.startswith(SPLIT_REFUSAL) and "aten::mm" in why for why in split)
