@@ -35,7 +35,20 @@ timeline after the batch split (micro-batch B / M):
   receives, plus the input gradient it sends back; a stage before the last holds M buffers
   for the output gradients it receives.
 
-Step time: the bubble (P - 1) / (M + P - 1) of the pipelined step is idle on every rank.
+Under ``schedule=interleaved`` the stack is cut into P x V stages and rank r holds stages
+r, r + P, ... (torch's placement); each stage's rows are taken as above, and the rank's
+peak is found at every backward of torch's order (``pipeline_schedule.py``): that stage's
+micro-step (its first: no gradients of it yet; a later one: accumulated) beside the saved
+activations of every micro-batch in flight on each of the rank's stages, the gradients of
+its stages whose backward already ran, and the sends torch's runtime for several stages
+per rank keeps until the step ends (each stream sent forward and each input gradient sent
+back, past its micro-batch's backward).  The in-flight counts come from the schedule torch
+runs, not from a formula (rank 0 of pp=2 x 2 stages, M=4: 3 on stage 0 and 2 on stage 2 at
+its peak).
+
+Step time: the share of the pipelined step every rank idles, from running torch's order
+with each action's dependencies (1f1b, gpipe: (P - 1) / (M + P - 1); interleaved:
+(P - 1) / (V M + P - 1) for M in full rounds).
 
 Pure numpy over the timeline (no torch).
 """
@@ -45,6 +58,7 @@ import numpy as np
 
 from ..plan import Plan, PlanError, pipeline_stage_ranges
 from ..trace import schema
+from . import pipeline_schedule
 from .accumulation import accumulated_peak
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
@@ -59,16 +73,23 @@ stage_ranges = pipeline_stage_ranges  #: the rule lives with the plan (plan.py)
 
 
 def in_flight_micro_batches(plan: Plan, stage: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once under the schedule."""
-    m = plan.pipeline_microbatches
-    return m if plan.schedule == "gpipe" else min(m, plan.pp - stage)
+    """Micro-batches whose activations stage ``stage`` (one per rank: 1f1b, gpipe) holds
+    at once under the schedule, from the order torch runs it (pipeline_schedule.py)."""
+    actions = pipeline_schedule.rank_actions(plan.schedule, plan.pp, 1,
+                                             plan.pipeline_microbatches, stage)
+    return max(held[0] for _, held, _ in
+               pipeline_schedule.in_flight_at_backwards(actions, 1))
 
 
 def bubble_fraction(plan: Plan) -> float:
-    """Share of the pipelined step every rank idles: (P - 1) / (M + P - 1)."""
+    """Share of the pipelined step every rank idles under torch's schedule (1f1b and gpipe:
+    (P - 1) / (M + P - 1); interleaved: (P - 1) / (V M + P - 1) where M divides into full
+    rounds)."""
     if plan.pp <= 1:
         return 0.0
-    return (plan.pp - 1) / (plan.pipeline_microbatches + plan.pp - 1)
+    return pipeline_schedule.bubble_fraction(plan.schedule, plan.pp,
+                                             plan.pipeline_stages_per_rank,
+                                             plan.pipeline_microbatches)
 
 
 def _block_of_rows(timeline: Timeline, blocks: list[str]) -> np.ndarray:
@@ -89,7 +110,7 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     if not blocks:
         raise PlanError(f"pp={plan.pp} found no repeated blocks (a ModuleList or Sequential "
                         "of same-class modules) in the trace's module tree to cut into stages")
-    ranges = stage_ranges(len(blocks), plan.pp)
+    ranges = stage_ranges(len(blocks), plan.pipeline_stages)
     block = _block_of_rows(timeline, blocks)
     outside = block < 0
     forward = timeline.phase == _FORWARD
@@ -124,45 +145,81 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     outside_share = max(1.0 - sum(block_share), 0.0)
     stream_bytes = _stream_bytes(timeline, block)
 
-    stages = []
-    for stage, owned in enumerate(ranges):
+    state_rows = (timeline.category == _PARAMETER) | (timeline.category == _STATE)
+    made_in_step = timeline.alloc_key >= 0
+    num_stages = plan.pipeline_stages
+    virtual = plan.pipeline_stages_per_rank
+    micro_batches = plan.pipeline_microbatches
+
+    def stage_terms(stage: int, held: float) -> dict:
+        """One stage's rows on the rank's timeline: its one micro-step, M accumulated, its
+        saved activations and the gradients it makes (per micro-batch)."""
+        owned = ranges[stage]
         mine = np.isin(block, list(owned))
         keep = mine | (outside & ~pre & ~post)
         if stage == 0:
             keep |= pre
-        if stage == plan.pp - 1:
+        if stage == num_stages - 1:
             keep |= post | tied
-        state_rows = (timeline.category == _PARAMETER) | (timeline.category == _STATE)
         keep |= state_rows  # scaled below: no module on these rows
         keep &= ~((timeline.category == _GRADIENT) & ~outside & ~mine)
-        held = outside_share + sum(block_share[i] for i in owned)
         sizes = np.where(keep, timeline.size, 0.0)
         sizes = np.where(state_rows, timeline.size * held, sizes)
-        local = (last_timeline if stage == plan.pp - 1 else timeline).resized(sizes)
-        # the first backward, with the other in-flight micro-batches' saved activations
-        # beside it and no gradients of this stage yet; or a later backward, gradients
-        # accumulated over M micro-steps (the last stage of 1F1B: F B F B ..., one in flight)
-        one = local.peak()
-        accumulated = accumulated_peak(local, plan.pipeline_microbatches)
-        saved = float(sizes[forward & (timeline.free_key > backward_start)
-                            & (timeline.category == _ACTIVATION)].sum())
-        flights = in_flight_micro_batches(plan, stage)
-        micro_batches = plan.pipeline_microbatches
-        receive = stream_bytes * (micro_batches + 1) if stage > 0 else 0.0
-        send_grad = stream_bytes * micro_batches if stage < plan.pp - 1 else 0.0
-        # other micro-batches stashed during a backward that finds this stage's gradients
-        # already there: 1F1B's steady state keeps all ``flights`` in flight while forwards
-        # remain (M > flights); its cool-down, and GPipe's second backward, one fewer
-        steady = flights - 1 if (plan.schedule == "1f1b" and plan.pipeline_microbatches
-                                 > flights) else max(flights - 2, 0)
-        peak = max(one.bytes + (flights - 1) * saved,
-                   accumulated.bytes + steady * saved) + receive + send_grad
-        stages.append({"stage": stage, "blocks": [owned.start, owned.stop - 1],
-                       "peak_bytes": int(round(peak)), "one_micro_batch_bytes": one.bytes,
-                       "saved_activation_bytes": int(round(saved)),
-                       "in_flight_micro_batches": flights,
-                       "p2p_buffer_bytes": int(round(receive + send_grad)),
-                       "parameter_share": held, "by_category": one.by_category})
+        local = (last_timeline if stage == num_stages - 1 else timeline).resized(sizes)
+        own_gradients = (timeline.category == _GRADIENT) & made_in_step & (
+            mine | (pre if stage == 0 else False) | (tied if stage == num_stages - 1
+                                                     else False))
+        return {"one": local.peak(), "accumulated": accumulated_peak(local, micro_batches),
+                "saved": float(sizes[forward & (timeline.free_key > backward_start)
+                                     & (timeline.category == _ACTIVATION)].sum()),
+                "gradients": float(sizes[own_gradients].sum())}
+
+    stages = []
+    for rank in range(plan.pp):
+        mine_stages = list(range(rank, num_stages, plan.pp))  # torch's loop placement
+        held = outside_share + sum(block_share[i] for g in mine_stages for i in ranges[g])
+        terms = [stage_terms(g, held) for g in mine_stages]
+        # at each backward torch's order runs on this rank: that stage's micro-step (the
+        # first: no gradients of it yet; a later one: M micro-steps' accumulated), beside
+        # the saved activations of every micro-batch in flight on the rank's stages and the
+        # gradients of its stages whose backward already ran
+        actions = pipeline_schedule.rank_actions(plan.schedule, plan.pp, virtual,
+                                                 micro_batches, rank)
+        # torch's runtime for several stages per rank (_PipelineScheduleRuntime) waits on
+        # its sends only when the step ends, so each stream a stage sent forward and each
+        # input gradient it sent back stays alive until then, past the micro-batch's
+        # backward (Schedule1F1B / ScheduleGPipe wait on them as they go)
+        sends_per_backward = [(g < num_stages - 1) + (g > 0) if virtual > 1 else 0
+                              for g in mine_stages]
+        peak, at_peak = -1.0, None
+        for local, in_flight, done in pipeline_schedule.in_flight_at_backwards(
+                actions, virtual):
+            base = terms[local]["accumulated" if done[local] else "one"].bytes
+            value = (base - terms[local]["saved"]
+                     + sum(n * t["saved"] for n, t in zip(in_flight, terms))
+                     + sum(terms[c]["gradients"] for c, n in enumerate(done)
+                           if n and c != local)
+                     + stream_bytes * sum(n * k for n, k in zip(done, sends_per_backward)))
+            if value > peak:
+                peak, at_peak = value, in_flight
+        receive = sum(stream_bytes * (micro_batches + 1) for g in mine_stages if g > 0)
+        send_grad = sum(stream_bytes * micro_batches for g in mine_stages
+                        if g < num_stages - 1)
+        peak += receive + send_grad
+        chunks = [ranges[g] for g in mine_stages]
+        entry = {"stage": rank, "blocks": [chunks[0].start, chunks[-1].stop - 1],
+                 "peak_bytes": int(round(peak)),
+                 "one_micro_batch_bytes": terms[0]["one"].bytes,
+                 "saved_activation_bytes": int(round(sum(t["saved"] for t in terms))),
+                 "in_flight_micro_batches": (in_flight_micro_batches(plan, rank)
+                                             if virtual == 1 else max(at_peak)),
+                 "p2p_buffer_bytes": int(round(receive + send_grad)),
+                 "parameter_share": held, "by_category": terms[0]["one"].by_category}
+        if virtual > 1:
+            entry.update({"stages": mine_stages,
+                          "stage_blocks": [[c.start, c.stop - 1] for c in chunks],
+                          "in_flight_at_peak": list(at_peak)})
+        stages.append(entry)
     worst = max(stages, key=lambda s: s["peak_bytes"])
     return {"stages": stages, "worst_stage": worst["stage"], "peak_bytes": worst["peak_bytes"],
             "schedule": plan.schedule, "microbatches": plan.pipeline_microbatches,
@@ -235,12 +292,20 @@ def with_pipeline_time(cost, stages: dict, plan: Plan, link_bytes_s: float):
 
     bubble = stages["bubble_fraction"]
     compute_s = cost.step_time_s / (1.0 - bubble)
-    p2p_bytes = 2.0 * stages["stream_bytes"] * plan.pipeline_microbatches
+    # each of a rank's V stages sends the stream on and its gradient back per micro-batch
+    p2p_bytes = (2.0 * stages["stream_bytes"] * plan.pipeline_microbatches
+                 * plan.pipeline_stages_per_rank)
     p2p_s = p2p_bytes / link_bytes_s if link_bytes_s > 0 else 0.0
     terms = cost.terms + [
-        (f"pp={plan.pp}: each rank idle for the bubble (P-1)/(M+P-1) = {bubble:.0%} of the "
-         f"step ({plan.schedule}, M={plan.pipeline_microbatches})",
+        (f"pp={plan.pp}: each rank idle for the bubble {_bubble_formula(plan)} = {bubble:.0%} "
+         f"of the step ({plan.schedule}, M={plan.pipeline_microbatches})",
          compute_s - cost.step_time_s),
         (f"pp={plan.pp}: {p2p_bytes:,.0f} B/step of activations and their gradients between "
          "stages, unhidden", p2p_s)]
     return Cost(cost.baseline_step_s, compute_s + p2p_s, terms, cost.assumptions)
+
+
+def _bubble_formula(plan: Plan) -> str:
+    if plan.pipeline_stages_per_rank > 1:
+        return f"(P-1)/(VM+P-1) with V={plan.pipeline_stages_per_rank}"
+    return "(P-1)/(M+P-1)"

@@ -18,6 +18,7 @@ GPT = os.path.join(ROOT, "examples", "gpt_lm.py")
 GPT_ARGS = ["--n-layer", "2", "--d-model", "64", "--batch-size", "8", "--device", "cpu"]
 LLAMA = os.path.join(ROOT, "zoo", "llama_decoder.py")
 LLAMA_ARGS = ["--batch-size", "8", "--steps", "5"]
+GPT4_ARGS = [*GPT_ARGS, "--n-layer", "4"]
 #: the issue's target for the analytic prediction against the measured per-rank peak
 ANALYTIC_TARGET = 0.05
 
@@ -30,6 +31,15 @@ def gpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pp")
     path = folder / "gpt.trace"
     _cli("profile", GPT, "-o", path, "--steps", "3", "--", *GPT_ARGS)
+    return read_trace(str(path)), folder
+
+
+@pytest.fixture(scope="module")
+def gpt4(tmp_path_factory):
+    """gpt_lm with 4 layers: pp=2 x 2 stages per rank (schedule=interleaved)."""
+    folder = tmp_path_factory.mktemp("pp_interleaved")
+    path = folder / "gpt4.trace"
+    _cli("profile", GPT, "-o", path, "--steps", "3", "--", *GPT4_ARGS)
     return read_trace(str(path)), folder
 
 
@@ -170,3 +180,37 @@ def test_llama_predicted_peak_per_stage_against_apply_profile(llama, plan):
             LLAMA, LLAMA_ARGS, trace, folder, plan):
         assert abs(predicted - measured) / measured <= ANALYTIC_TARGET, \
             (plan, stage, predicted, measured)
+
+
+def test_interleaved_rank_holds_its_stages_and_their_micro_batches_in_flight(gpt4):
+    """pp=2 x 2 stages per rank over 4 blocks: rank 0 holds stages 0 and 2; at its peak
+    (the second backward of stage 0, M=4) torch's order has 3 micro-batches in flight on
+    stage 0 and 2 on stage 2 (``apply --profile`` shows the same: blocks.0's activations 3x,
+    blocks.2's 2x); the bubble (P-1)/(VM+P-1)."""
+    trace, _ = gpt4
+    base = prepare(trace)
+    prediction = simulate(base, Plan.parse("pp=2,schedule=interleaved,microbatches=4"))
+    notes = prediction.notes["pipeline_parallel"]
+    rank0, rank1 = notes["stages"]
+    assert (rank0["stages"], rank0["stage_blocks"]) == ([0, 2], [[0, 0], [2, 2]])
+    assert (rank1["stages"], rank1["stage_blocks"]) == ([1, 3], [[1, 1], [3, 3]])
+    assert rank0["in_flight_at_peak"] == [3, 2]
+    assert notes["bubble_fraction"] == pytest.approx(1 / 9)
+    # both ranks hold half the blocks and every layer outside the stack
+    share = 1.0 - sum(base.block_parameter_fraction.values()) \
+        + base.block_parameter_fraction["blocks.0"] + base.block_parameter_fraction["blocks.2"]
+    assert rank0["parameter_share"] == pytest.approx(share)
+    assert prediction.peak_bytes == max(rank0["peak_bytes"], rank1["peak_bytes"])
+    one_f = simulate(base, Plan.parse("pp=2,microbatches=4"))
+    assert one_f.notes["pipeline_parallel"]["bubble_fraction"] == pytest.approx(1 / 5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["pp=2,schedule=interleaved",
+                                  "pp=2,schedule=interleaved,microbatches=4"])
+def test_interleaved_predicted_peak_per_rank_against_apply_profile(gpt4, plan):
+    trace, folder = gpt4
+    for rank, predicted, measured in _measured_against_predicted(
+            GPT, [*GPT4_ARGS, "--steps", "5"], trace, folder, plan):
+        assert abs(predicted - measured) / measured <= ANALYTIC_TARGET, \
+            (plan, rank, predicted, measured)
