@@ -99,18 +99,18 @@ def tree(pid: int) -> list[int]:
     return found
 
 
-def memory_bytes(pid: int) -> tuple[int, int]:
-    """The server's own RSS, and the PSS of it and every process under it (the worker and
+def memory_bytes(pid: int) -> tuple[int, int, dict[int, int]]:
+    """The server's own RSS, the PSS of it and every process under it (the worker and
     its helpers share pages with the server they were forked from: PSS counts a shared page
-    once, split between them)."""
+    once, split between them), and each of those processes' PSS by pid."""
     rss = _field_bytes(Path(f"/proc/{pid}/status"), "VmRSS")
-    pss = 0
+    each = {}
     for member in tree(pid):
         try:
-            pss += _field_bytes(Path(f"/proc/{member}/smaps_rollup"), "Pss")
+            each[member] = _field_bytes(Path(f"/proc/{member}/smaps_rollup"), "Pss")
         except (FileNotFoundError, ProcessLookupError):
             pass
-    return rss, pss
+    return rss, sum(each.values()), each
 
 
 def load_average() -> str:
@@ -438,6 +438,10 @@ def main(argv=None) -> int:
               f"{'met' if growth <= RSS_GROWTH_LIMIT else 'NOT met'})")
         if growth > RSS_GROWTH_LIMIT:
             missed.append(what)
+    each = [result["memory start"][2], result["memory after edits"][2]]
+    print("PSS by process (MiB, before -> after; the server first):", ", ".join(
+        f"{pid}: {each[0].get(pid, 0) / 2**20:.0f} -> {each[1].get(pid, 0) / 2**20:.0f}"
+        for pid in dict.fromkeys([*each[0], *each[1]])))
     if result["js errors"] or result["blocked requests"]:
         print(f"JS errors: {result['js errors']}; blocked: {result['blocked requests']}")
         missed.append("errors")

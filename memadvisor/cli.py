@@ -13,9 +13,8 @@ import sys
 
 import click
 
-from .errors import UserError
+from .errors import TraceError, UserError
 from .terminal import safe_text
-from .trace.io import TraceError
 
 #: command name -> (module under memadvisor.commands, one-line help)
 COMMANDS = {
@@ -63,6 +62,8 @@ def cli():
 
 
 def main(argv=None) -> int:
+    from .ui.memory import arrow_purges_at_once
+    arrow_purges_at_once()  # before a command loads pyarrow (the option is read then)
     try:
         result = cli.main(args=argv, prog_name="memadvisor", standalone_mode=False)
     except click.exceptions.Abort:

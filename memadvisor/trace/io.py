@@ -17,6 +17,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..errors import TraceError  # noqa: F401  (raised here, caught by the CLI)
 from ..output_files import write_output
 from .validate import events_problem, meta_problem
 from .schema import (
@@ -25,10 +26,6 @@ from .schema import (
 )
 
 _ID_LIST = pa.list_(pa.int64())
-
-
-class TraceError(Exception):
-    """A trace file cannot be used; the message is one line meant for the user."""
 
 
 @dataclass
