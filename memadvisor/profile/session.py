@@ -31,6 +31,7 @@ from torch.optim.optimizer import (
 from ..trace import analysis, schema
 from . import metadata
 from .batch_capture import BatchObserver, call_kwargs
+from .data_loaders import DataLoaderWatch
 from .optimizer_steps import OptimizerCycle
 from .dispatch import TrackingMode, _storage, _tensors
 from .modules import ModuleTracker, clean_path
@@ -93,6 +94,8 @@ class ProfileSession:
         self.cuda_peaks = cuda_peaks
         self.locator = SourceLocator((script,) if script else ())
         self.mode = TrackingMode(self.recorder, self.locator)
+        #: the DataLoaders the script iterates: per batch, never per op (data_loaders.py)
+        self.data_loaders = DataLoaderWatch(lambda: self.recorder.now_ns(), self.locator)
         self.modules = ModuleTracker(self._set_module, self._root_forward)
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
         self._optimizer_cycle = OptimizerCycle()  # GANs: one step = every optimizer once
@@ -147,6 +150,7 @@ class ProfileSession:
             self._start_native_hook()
         self._patch_autograd()
         self._patch_storage_resize()
+        self.data_loaders.install()
         if self.engine == "dispatch":
             self.mode.__enter__()
         self._last_progress = time.monotonic()
@@ -333,6 +337,7 @@ class ProfileSession:
         if self._original_resize is not None:
             torch.UntypedStorage.resize_ = self._original_resize
             self._original_resize = None
+        self.data_loaders.uninstall()
         if self.mode.native is not None:
             self.mode.native.stop()
             self.mode.native.clear()
@@ -374,6 +379,7 @@ class ProfileSession:
             self._forward_begins()
 
     def _forward_begins(self, at_seq: int | None = None) -> None:
+        self.data_loaders.forward_begins()
         if self.stopped_at_steps:
             self._stop_swallowed()
         if self._backward_since_forward:
@@ -673,6 +679,7 @@ class ProfileSession:
             **self._model_snapshot,
         )
         meta.steps = self._step_infos(table, boundaries)
+        meta.data_loaders = self.data_loaders.describe([end_ns for _, end_ns in boundaries])
         meta.allocator = {"cpu_native_hook": self.native_status, "engine": self.engine,
                           "engine_reason": self.engine_status}
         if meta.device.startswith("cuda"):

@@ -173,6 +173,11 @@ class TraceMeta:
     #: 'input_shape', 'threads', 'raw_bytes': {dtype: {'forward': [bytes, ...],
     #: 'backward': [...]}}} or {..., 'skipped': why}]}
     probes: dict[str, Any] = field(default_factory=dict)
+    #: each torch.utils.data.DataLoader the script iterated (profile/data_loaders.py;
+    #: docs/TRACE.md): settings, the line that made it, per step the main process's wait
+    #: in ``__next__``, batch and copy bytes (``non_blocking``, pinned), workers' memory.
+    #: None: not recorded (traces before 2026-11-26); []: the script iterated none
+    data_loaders: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

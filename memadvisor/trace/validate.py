@@ -172,6 +172,23 @@ _NESTED = {
         peak_allocated_bytes=COUNT, peak_reserved_bytes=COUNT, segments=COUNT,
         oom_events=list_of(row(INTEGER, COUNT, COUNT)), cublas_workspace_bytes=list_of(COUNT),
         gpu_hint=TEXT, start_time_us=NUMBER),
+    # the DataLoaders the script iterated (profile/data_loaders.py); None: not recorded
+    "data_loaders": maybe(list_of(record(
+        (), num_workers=COUNT, prefetch_factor=maybe(COUNT), pin_memory=FLAG,
+        pin_memory_used=FLAG, persistent_workers=FLAG, batch_size=maybe(COUNT),
+        source=TEXT, batches=COUNT, wait_s=NUMBER, batch_bytes=COUNT,
+        batch_pinned_bytes=COUNT, cpu_count=COUNT, host_memory_bytes=COUNT,
+        steps=list_of(record(("index",), index=COUNT, batches=COUNT, wait_s=NUMBER,
+                             batch_bytes=COUNT, copy_bytes=COUNT,
+                             non_blocking_copy_bytes=COUNT, pinned_copy_bytes=COUNT)),
+        copies=list_of(record((), source=TEXT, device=TEXT, non_blocking=FLAG,
+                              source_pinned=FLAG, from_batch=FLAG, calls=COUNT,
+                              bytes=COUNT)),
+        workers_memory=record((), samples=COUNT, max_rss_bytes=list_of(COUNT),
+                              max_private_bytes=list_of(COUNT),
+                              max_anonymous_bytes=list_of(COUNT),
+                              max_total_rss_bytes=COUNT, max_total_private_bytes=COUNT,
+                              max_total_anonymous_bytes=COUNT)))),
 }
 
 
