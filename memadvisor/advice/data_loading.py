@@ -153,21 +153,20 @@ def _copy_advice(part, device_rows, loader, done, copied, copy_s, link, host_byt
 
 
 def _target_step_seconds(context) -> float | None:
-    """The step's compute on a GPU target, modelled (simulate's cost model, no plan; at
-    least one kernel launch per op), for a trace measured on the CPU; None for a GPU
-    trace (its step is measured there)."""
-    if str(context.trace.meta.device).startswith("cuda") or context.base is None:
-        return None
-    from ..plan import Plan
-    from ..simulate.cost import estimate
-    try:
-        seconds = estimate(Plan(), context.base.work, context.hardware, [], 0, 0, 0, 0
-                           ).step_time_s
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
-        return None
+    """The step's compute on a GPU target, modelled (the cost model's FLOPs at the target's
+    fp32 rate, as for a step it did not measure; at least one kernel launch per op), for a trace measured on the CPU or fake-executed;
+    None for a real GPU's trace (its step is measured there)."""
+    meta = context.trace.meta
+    if context.base is None or (str(meta.device).startswith("cuda")
+                                and not (meta.allocator or {}).get("fake")):
+        return None  # a real GPU's step, measured (a fake run's is CPU time)
+    from ..simulate.cost import MATMUL_EFFICIENCY
+    rate = float(getattr(context.hardware, "fp32_flops", 0) or 0) * MATMUL_EFFICIENCY
+    work = getattr(context.base, "work", None)
+    # the cost model's estimate of an unmeasured step (simulate/cost.py)
+    seconds = work.total_flops / rate if work is not None and rate > 0 else 0.0
     # a small model's FLOPs take less than launching its kernels: one launch per op of
     # the forward, backward and optimizer at least
-    meta = context.trace.meta
     calls = sum(int(s.get("calls") or 0) for s in meta.op_stats or []
                 if s.get("phase") in (schema.FORWARD, schema.BACKWARD, schema.OPTIMIZER))
     launches = calls / max(int(meta.steps_completed or 0), 1) * KERNEL_LAUNCH_SECONDS

@@ -117,3 +117,26 @@ def test_the_session_leaves_torch_as_it_found_it(folder, engine):
             _dataloader._BaseDataLoaderIter.__next__) == before
     # the copy wrappers live only between a batch and the forward: none left behind
     assert not {"to", "cuda", "copy_"} & set(torch.Tensor.__dict__)
+
+
+@pytest.mark.parametrize("reader", ["psutil", "proc_status"])
+def test_worker_memory_is_read_with_psutil_or_from_proc(monkeypatch, reader):
+    import os
+    import types
+    from memadvisor.profile import worker_memory
+    if reader == "proc_status":
+        monkeypatch.setattr(worker_memory, "_psutil", None)
+    elif worker_memory._psutil is None:
+        pytest.skip("psutil is not installed")
+    memory = worker_memory.WorkerMemory()
+    # this process stands for a worker: its figures are real, and ordered
+    iterator = types.SimpleNamespace(_workers=[types.SimpleNamespace(pid=os.getpid())])
+    memory.sample(iterator, 0)
+    memory.sample(iterator, 1)  # within 10 ms of the first: not read again
+    described = memory.describe()
+    assert described["method"] == reader and described["samples"] == 1
+    rss, = described["max_rss_bytes"]
+    anonymous, = described["max_anonymous_bytes"]
+    assert rss >= anonymous > 0
+    private, = described["max_private_bytes"]
+    assert 0 < private <= rss
