@@ -145,9 +145,13 @@ _FP32_CUDA_ONLY = frozenset({
     "aten::group_norm", "aten::_softmax", "aten::softmax", "aten::norm", "aten::exp",
     "aten::log", "aten::pow", "aten::sum", "aten::prod", "aten::cumsum", "aten::rsqrt"})
 
+#: CPU-only: oneDNN's recurrent layer (what nn.LSTM/GRU/RNN run per layer and direction on
+#: the CPU; AutocastCPU's lower_precision_fp list has it, AutocastCUDA's has cuDNN's instead)
+_LOWER_CPU_ONLY = frozenset({"aten::mkldnn_rnn_layer"})
+
 DEVICE_RULES = {
     "cpu": {
-        "autocast_lower": _LOWER_COMMON,
+        "autocast_lower": _LOWER_COMMON | _LOWER_CPU_ONLY,
         "autocast_fp32": _FP32_COMMON,
         "optimizer_foreach": False,  #: torch.optim picks the per-tensor loop off CUDA
         "dropout_mask_itemsize": 4,  #: bernoulli float mask on CPU
