@@ -421,7 +421,8 @@ def _tensor_parallel_problems(plan: Plan) -> Iterable[str]:
 
 
 def _pipeline_problems(plan: Plan) -> Iterable[str]:
-    """Why a pp plan cannot run (a pipeline alone, world = pp)."""
+    """Why a pp plan cannot run (a pipeline alone, world = pp, or world / pp of them side
+    by side with shard=ddp)."""
     pp, schedule, microbatches = plan.pp, plan.schedule, plan.microbatches
     virtual = plan.stages_per_rank
     if schedule not in SCHEDULES:
@@ -452,12 +453,17 @@ def _pipeline_problems(plan: Plan) -> Iterable[str]:
                    f"{pp} or fewer than {2 * pp}")
     if plan.tp > 1:
         yield f"pp={pp} with tp={plan.tp} is not supported yet: use one of them"
-    if plan.shard != "none" or plan.hybrid is not None:
-        yield (f"pp={pp} with shard={plan.shard} is not supported yet: a pipeline alone runs "
-               f"on world={pp} (shard=none)")
-    elif plan.world != pp:
+    if plan.shard not in ("none", "ddp") or plan.hybrid is not None:
+        yield (f"pp={pp} with shard={plan.shard}{'' if plan.hybrid is None else ',hybrid'} is "
+               f"not supported yet: a pipeline runs alone (world={pp}) or beside copies of "
+               f"itself with shard=ddp (world = pp x replicas)")
+    elif plan.shard == "ddp" and (plan.world % pp or plan.world == pp):
+        yield (f"pp={pp} with shard=ddp runs world / pp pipelines side by side: world must be "
+               f"a multiple of {pp} with at least 2 of them (world={2 * pp}), got "
+               f"world={plan.world}")
+    elif plan.shard == "none" and plan.world != pp:
         yield (f"pp={pp} with world={plan.world}: a pipeline alone runs one stage per rank, "
-               f"so world must equal pp (pipeline x data parallelism is not supported yet)")
+               f"so world must equal pp (several pipelines side by side: shard=ddp)")
     if plan.accum > 1:
         yield (f"pp={pp} cuts the batch into pipeline micro-batches itself: write "
                f"microbatches={plan.accum * plan.pipeline_microbatches} instead of accum="

@@ -10,6 +10,10 @@ from torch import nn
 
 from ..plan import PlanError
 
+#: the pipeline's process group (apply_pipeline sets it; None: the world, a pipeline
+#: alone): the stages' gradient norms are summed over it, not over data-parallel replicas
+pipeline_group = None
+
 
 def full_parameters(module: nn.Module, parameter_names: list[str]) -> dict[str, torch.Tensor]:
     """Every parameter whole, on the CPU, by name: each stage's blocks gathered from the rank
@@ -41,7 +45,7 @@ def clip_grad_norm_(parameters, max_norm: float, replicated: set[int],
             shared += square
         else:
             own += square
-    dist.all_reduce(own)
+    dist.all_reduce(own, group=pipeline_group)
     total = (own + shared).sqrt()
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(f"the total norm of order 2.0 for gradients is {float(total)}")

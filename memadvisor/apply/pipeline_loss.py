@@ -1,5 +1,11 @@
 """``pp=P`` with the script's loss: ``with_loss``, what the rewrite of a loss the script
-computes calls (loss_expression.py), and the checks the pipeline makes of that loss."""
+computes calls (loss_expression.py), and the checks the pipeline makes of that loss.
+
+The loss function runs inside the last stage's forward rather than as torch's
+``loss_fn(output, target)`` on the stage's output because: the output may be any structure
+(a tuple, a dict) where a stage sends and validates tensors; the stage would keep each
+micro-batch's output (the logits) for its backward besides what autograd saves; and
+``target`` is one tensor where a loss may read several."""
 from __future__ import annotations
 
 import contextlib

@@ -27,19 +27,15 @@ divided by M after the schedule: the mean-loss math of the unmodified step.  Und
 ``schedule=interleaved`` the stack is cut into P x V stages and rank r holds stages r,
 r + P, ...: V ``_Stage`` modules over the one model, each entered and left at its own
 blocks, the rank's other blocks passing the stream through while it runs
-(``ScheduleInterleaved1F1B``).
-The forward must be embed -> blocks -> head: a block's input that is not the previous
+(``ScheduleInterleaved1F1B``).  The forward must be embed -> blocks -> head: a block's input that is not the previous
 block's output (the forward changes the stream between blocks, or calls a block twice) is
 refused on the first batch, on every rank alike, as is a model whose output holds no loss
 when the script gives no loss function.
 
 The loss function runs inside the last stage's forward (the schedule's own ``loss_fn`` is
-the identity), and the batch tensors it reads travel as keyword arguments of the schedule's
-step, so torch cuts them into the same micro-batches as the model's inputs.  Not torch's
-``loss_fn(output, target)`` with the output as the stage's output because: the output may
-be any structure (a tuple, a dict) where a stage sends and validates tensors; the stage
-would keep each micro-batch's output (the logits) for its backward besides what autograd
-saves; and ``target`` is one tensor where a loss may read several.
+the identity; why: pipeline_loss.py), the batch tensors it reads travel as keyword
+arguments of the schedule's step, cut into the same micro-batches as the model's inputs.
+With ``shard=ddp`` D such pipelines run side by side (pipeline_data_parallel.py).
 """
 from __future__ import annotations
 
@@ -50,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Plan, PlanError, pipeline_stage_ranges, repeated_blocks
-from . import checkpointing
+from . import checkpointing, pipeline_collectives, pipeline_data_parallel
 from .pipeline_collectives import clip_grad_norm_, full_parameters  # noqa: F401 (runtime's)
 from .pipeline_loss import check_loss, entered, loss_position, parameter_name
 from .pipeline_schedule import build_schedule, describe  # noqa: F401 (runtime's)
@@ -122,8 +118,10 @@ class PipelineModel(nn.Module):
     loss (the mean over micro-batches, on every rank) in its place and None for the rest."""
 
     def __init__(self, module: nn.Module, plan: Plan, rank: int, blocks: list[str],
-                 chunks: list[range], device: torch.device):
+                 chunks: list[range], device: torch.device,
+                 groups: pipeline_data_parallel.Groups | None = None):
         super().__init__()
+        self.groups = groups or pipeline_data_parallel.Groups()
         self.module = module
         self.plan = plan
         self.stage_index = rank  #: this rank's place in the pipeline (its first stage)
@@ -253,7 +251,7 @@ class PipelineModel(nn.Module):
             self.plan, [(index, _Stage(self, index, chunk, num_args, num_targets,
                                        index == self.num_stages - 1, position))
                         for index, chunk in zip(self.stage_indices, self.chunks)],
-            meta, self.device)
+            meta, self.device, self.groups.pipeline)
 
     def forward(self, *args, **kwargs):
         return self._step(args, kwargs)
@@ -281,7 +279,9 @@ class PipelineModel(nn.Module):
         if batch is None:
             raise PlanError(f"pp={self.plan.pp}: the model is called without a batch tensor")
         batch_size = batch.shape[0]
-        self.plan.micro_batch_size(batch_size)  # PlanError when M does not divide it
+        pipeline_data_parallel.check_batch(self.plan, self.groups, batch_size,
+                                           [*args, *kwargs.values(), *targets],
+                                           first=self.schedule is None)
         for name, value in (*((f"argument {i}", a) for i, a in enumerate(args)),
                             *kwargs.items(),
                             *((f"`{parameter_name(loss_fn, i + 1)}`, read by the loss,", t)
@@ -310,6 +310,7 @@ class PipelineModel(nn.Module):
         self.outputs.clear()
         self._scale_gradients()
         self._sum_replicated_gradients()
+        pipeline_data_parallel.average_gradients(self.module.parameters(), self.groups)
         for p in self.module.parameters():
             before = earlier.get(id(p))
             if before is not None:  # in place, as autograd accumulates into .grad
@@ -317,7 +318,10 @@ class PipelineModel(nn.Module):
         loss = torch.zeros((), device=self.device)
         if losses:
             loss = torch.stack([l.detach().float() for l in losses]).mean()
-        dist.broadcast(loss, src=self.plan.pp - 1)  # world = pp: the last stage's rank
+        if self.groups.pipeline is None:  # world = pp: the last stage's rank
+            dist.broadcast(loss, src=self.plan.pp - 1)
+        else:
+            dist.broadcast(loss, group=self.groups.pipeline, group_src=self.plan.pp - 1)
         loss._memadvisor_pipeline = True
         for stage in self.stages:  # keep nothing alive
             stage.submod.loss_fn = stage.submod.context = None
@@ -361,7 +365,7 @@ class PipelineModel(nn.Module):
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
+            dist.all_reduce(p.grad, group=self.groups.pipeline)
 
 
 def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
@@ -378,7 +382,8 @@ def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Pl
                         "Sequential children; their forward is not a hook point memadvisor "
                         "can cut (wrap the stack in a ModuleList inside a model)")
     ranges = stage_ranges(len(blocks), plan.pipeline_stages)
-    chunks = ranges[rank::plan.pp]  # stages r, r + P, ... (torch's loop-style placement)
+    place = pipeline_data_parallel.pipeline_rank(plan, rank)
+    chunks = ranges[place::plan.pp]  # stages r, r + P, ... (torch's loop-style placement)
     owned = {i for chunk in chunks for i in chunk}
     kept_names = {n for n, _ in module.named_parameters()
                   if not any(n.startswith(b + ".") for i, b in enumerate(blocks)
@@ -389,4 +394,6 @@ def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Pl
         group["params"] = [p for p in group["params"] if id(p) in kept]
     device = torch.device(device_type if device_type != "cuda"
                           else f"cuda:{torch.cuda.current_device()}")
-    return PipelineModel(module, plan, rank, blocks, chunks, device)
+    groups = pipeline_data_parallel.make_groups(plan, device_type)
+    pipeline_collectives.pipeline_group = groups.pipeline
+    return PipelineModel(module, plan, place, blocks, chunks, device, groups)

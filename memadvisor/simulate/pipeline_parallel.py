@@ -67,6 +67,7 @@ _GRADIENT, _PARAMETER = CATEGORY_CODE[schema.GRADIENT], CATEGORY_CODE[schema.PAR
 _STATE = CATEGORY_CODE[schema.OPTIMIZER_STATE]
 _ACTIVATION = CATEGORY_CODE[schema.ACTIVATION]
 _TEMPORARY = CATEGORY_CODE[schema.TEMPORARY]
+_OTHER = CATEGORY_CODE[schema.OTHER]
 
 
 stage_ranges = pipeline_stage_ranges  #: the rule lives with the plan (plan.py)
@@ -110,6 +111,7 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     if not blocks:
         raise PlanError(f"pp={plan.pp} found no repeated blocks (a ModuleList or Sequential "
                         "of same-class modules) in the trace's module tree to cut into stages")
+    timeline = _without_ddp_bucket(timeline, plan)
     ranges = stage_ranges(len(blocks), plan.pipeline_stages)
     block = _block_of_rows(timeline, blocks)
     outside = block < 0
@@ -227,6 +229,22 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
             "script_held_output_bytes": int(round(held_output_bytes)),
             "tied_gradient_bytes": int(round(float(
                 timeline.size[tied & (timeline.alloc_key >= 0)].sum())))}
+
+
+def _without_ddp_bucket(timeline: Timeline, plan: Plan) -> Timeline:
+    """Under ``pp`` x ``shard=ddp`` apply averages each gradient over the replicas in place
+    after the schedule (apply/pipeline_data_parallel.py), with no DDP and so no gradient
+    bucket: the bucket row ``sharding.shard_additions`` appends for ddp (the last row,
+    alive through the step) is dropped."""
+    if plan.shard != "ddp" or not len(timeline):
+        return timeline
+    last = len(timeline) - 1
+    if not (timeline.category[last] == _OTHER and timeline.alloc_key[last] == -1.0
+            and timeline.free_key[last] >= timeline.n_events):
+        return timeline
+    sizes = timeline.size.copy()
+    sizes[last] = 0.0
+    return timeline.resized(sizes)
 
 
 def _without_script_held_output(timeline: Timeline, outside_forward: np.ndarray,

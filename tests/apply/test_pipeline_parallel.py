@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from apply_runs import REPO, relative_error, run_distributed, run_original, same_math_error
-from memadvisor.apply import pipeline_parallel
+from memadvisor.apply import pipeline_data_parallel, pipeline_parallel, runtime
 from memadvisor.plan import Plan, PlanError
 
 GPT = REPO / "examples" / "gpt_lm.py"
@@ -51,7 +51,9 @@ def test_interleaved_knobs_default_to_two_stages_per_rank():
     ("pp=2,world=4", "world must equal pp"),
     ("pp=2,world=2,accum=2", "microbatches=4 instead of accum=2"),
     ("pp=2,tp=2,world=4", "with tp=2 is not supported"),
-    ("pp=2,world=2,shard=zero3", "shard=zero3 is not supported"),
+    ("pp=2,world=4,shard=zero3", "shard=zero3 is not supported"),
+    ("pp=2,world=2,shard=ddp", "world must be a multiple of 2 with at least 2 of them"),
+    ("pp=2,world=6,shard=ddp,hybrid=2", "not supported yet"),
     ("schedule=gpipe", "add pp=2"),
     ("microbatches=4", "add pp=2"),
     ("pp=0", "at least 1"),
@@ -60,6 +62,21 @@ def test_impossible_pp_plans_are_refused_in_one_line(text, words):
     with pytest.raises(PlanError, match=words) as caught:
         Plan.parse(text)
     assert "\n" not in str(caught.value)
+
+
+def test_pp_with_ddp_runs_pipelines_side_by_side():
+    """pp=2,shard=ddp,world=4: 2 pipelines of 2 stages; consecutive ranks are one pipeline,
+    replica d takes the slice d of the batch (B / 2), which its pipeline cuts into M."""
+    plan = Plan.parse("pp=2,shard=ddp,world=4")
+    assert (plan.data_parallel_size, plan.pipeline_microbatches) == (2, 2)
+    assert plan.micro_batch_size(16) == 4  # B / (replicas x M) per pipeline micro-batch
+    assert [pipeline_data_parallel.pipeline_rank(plan, r) for r in range(4)] == [0, 1, 0, 1]
+    assert [pipeline_data_parallel.data_parallel_rank(plan, r) for r in range(4)] == \
+        [0, 0, 1, 1]
+    split, replica = pipeline_data_parallel.batch_split(plan, 3)
+    assert (split.data_parallel_size, split.micro_batch_size(16), replica) == (2, 8, 1)
+    alone, _ = pipeline_data_parallel.batch_split(Plan.parse("pp=2"), 1)
+    assert alone.data_parallel_size == 1  # a pipeline alone: every rank the whole batch
 
 
 def test_a_batch_the_micro_batches_do_not_divide_is_refused():
@@ -217,6 +234,28 @@ def test_interleaved_on_two_ranks_trains_as_the_unmodified_run(tmp_path):
         parts = Plan.parse(plan).pipeline_microbatches
         assert same_math_error(params, originals[script], parts) <= 1, \
             (script.name, plan, relative_error(params, originals[script]))
+
+
+#: pp x ddp needs apply's micro_batches to hand a replica's ranks its slice, and prepare not
+#: to wrap the model in DDP under pp (runtime.py; see docs/APPLY.md "Pipeline x data
+#: parallelism"); until it does the first batch is refused (same_batch_in_pipeline)
+_RUNTIME_SPLITS_FOR_PIPELINES = "pipeline_data_parallel" in open(runtime.__file__).read()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _RUNTIME_SPLITS_FOR_PIPELINES,
+                    reason="runtime.micro_batches does not split batches per pipeline yet")
+def test_pp_with_ddp_on_four_ranks_trains_as_the_unmodified_run(tmp_path):
+    """2 pipelines x 2 stages (gloo, 4 processes): each replica's gradients (M parts of its
+    half) averaged over the 2 replicas: the same math in replicas x M parts."""
+    jobs = [(GPT, "pp=2,shard=ddp,world=4", GPT4_ARGS),
+            (GPT, "pp=2,shard=ddp,world=4,schedule=interleaved", GPT4_ARGS)]
+    results = run_distributed(jobs, 4, tmp_path)
+    original = run_original(GPT, GPT4_ARGS)
+    for (_, plan, _), params in zip(jobs, results):
+        parts = Plan.parse(plan).pipeline_microbatches * 2
+        assert same_math_error(params, original, parts) <= 1, \
+            (plan, relative_error(params, original))
 
 
 # --- a loss the script computes from the model's output ------------------------------------

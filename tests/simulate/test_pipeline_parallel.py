@@ -214,3 +214,16 @@ def test_interleaved_predicted_peak_per_rank_against_apply_profile(gpt4, plan):
             GPT, [*GPT4_ARGS, "--steps", "5"], trace, folder, plan):
         assert abs(predicted - measured) / measured <= ANALYTIC_TARGET, \
             (plan, rank, predicted, measured)
+
+
+def test_pp_with_ddp_predicts_each_replica_as_a_pipeline_on_its_slice(gpt):
+    """pp=2,shard=ddp,world=4: each rank is the stage of a pipeline fed B / 2 samples; apply
+    averages the gradients in place after the schedule, with no DDP gradient bucket (the
+    row simulate/sharding.py adds for ddp is not counted)."""
+    trace, _ = gpt
+    base = prepare(trace)
+    both = simulate(base, Plan.parse("pp=2,shard=ddp,world=4"))
+    alone = simulate(base, Plan.parse("pp=2"), micro_batch=2)
+    assert both.micro_batch_size == 2  # 8 samples / (2 replicas x 2 micro-batches)
+    assert [s["peak_bytes"] for s in both.notes["pipeline_parallel"]["stages"]] == \
+        [s["peak_bytes"] for s in alone.notes["pipeline_parallel"]["stages"]]

@@ -1,0 +1,104 @@
+"""``pp=P,shard=ddp,world=P x D``: D pipelines side by side, each reading its own part of
+the batch, every stage's gradients averaged over the D replicas of that stage.
+
+The ranks form a ``DeviceMesh`` of shape (D, P) with dims ``("dp", "pp")``: consecutive
+ranks are one pipeline (rank r is stage r % P of replica r // P, as consecutive ranks form
+a tensor-parallel group under tp), and the ranks holding the same stage form its
+data-parallel group.  Replica d takes the slice ``[d B / D, (d + 1) B / D)`` of the global
+batch -- the rule of ``batching.split`` for D data-parallel ranks -- and its pipeline cuts
+that slice into M micro-batches.  After the schedule each gradient on a rank is averaged
+over its stage's data-parallel group (what DDP's all-reduce computes; not DDP itself, whose
+reducer only syncs a backward its own forward prepared, and the schedule runs the stages'
+backwards itself).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..plan import Plan, PlanError
+
+
+@dataclass
+class Groups:
+    """This rank's process groups (None: the whole world, a pipeline alone)."""
+
+    pipeline: object = None  #: the P ranks of this rank's pipeline (its stages)
+    data_parallel: object = None  #: the D ranks holding this rank's stage(s)
+    data_parallel_size: int = 1
+    mesh: object = None
+
+
+def pipeline_rank(plan: Plan, rank: int) -> int:
+    """This rank's place in its pipeline (its first stage under interleaved)."""
+    return rank % plan.pp
+
+
+def data_parallel_rank(plan: Plan, rank: int) -> int:
+    """Which replica's slice of the batch ``rank`` takes."""
+    return rank // (plan.pp * plan.tp)
+
+
+def batch_split(plan: Plan, rank: int) -> tuple[Plan, int]:
+    """(plan, rank) for ``batching.split`` under a pipeline: replica d's B / D samples, whole
+    (the pipeline cuts them into its M micro-batches; a pipeline alone takes the batch)."""
+    replicas = plan.data_parallel_size
+    split = Plan(world=replicas, shard="ddp") if replicas > 1 else Plan()
+    return split, data_parallel_rank(plan, rank)
+
+
+def make_groups(plan: Plan, device_type: str) -> Groups:
+    """The (dp, pp) mesh's groups; a pipeline alone keeps the world group."""
+    replicas = plan.data_parallel_size
+    if replicas == 1:
+        return Groups()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (replicas, plan.pp), mesh_dim_names=("dp", "pp"))
+    return Groups(mesh["pp"].get_group(), mesh["dp"].get_group(), replicas, mesh)
+
+
+def average_gradients(parameters, groups: Groups) -> None:
+    """Each gradient averaged over this stage's data-parallel replicas, in place."""
+    if groups.data_parallel_size == 1:
+        return
+    for p in parameters:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=groups.data_parallel)
+            p.grad.div_(groups.data_parallel_size)
+
+
+def check_batch(plan: Plan, groups: Groups, batch_size: int, values: list,
+                first: bool) -> None:
+    """PlanError unless M divides this replica's batch and, with data parallelism, the
+    ranks of this pipeline hold the same batch (checked on the ``first`` batch)."""
+    m = plan.pipeline_microbatches
+    replicas = groups.data_parallel_size
+    if batch_size % m or batch_size < m:
+        whose = f"each of the {replicas} replicas' part" if replicas > 1 else "the batch"
+        raise PlanError(f"pp={plan.pp}: {whose} ({batch_size} samples) cannot be cut into {m} "
+                        f"pipeline micro-batches: the batch must be a multiple of "
+                        f"{m * replicas}")
+    if replicas > 1 and first:
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if not same_batch_in_pipeline(tensors, groups):
+            raise PlanError(
+                f"pp={plan.pp} with {replicas} data-parallel replicas: the ranks of one "
+                "pipeline were handed different batches (the micro_batches split must give "
+                "a replica's ranks its slice: pipeline_data_parallel.batch_split)")
+
+
+def same_batch_in_pipeline(tensors: list[torch.Tensor], groups: Groups) -> bool:
+    """Whether every rank of this pipeline got the same batch (a sum and the shape of each
+    tensor compared): stage 0 reads the inputs, the last stage the targets, so a replica's
+    ranks must hold one slice."""
+    summary = []
+    for t in tensors:
+        summary += [float(t.detach().double().sum()) if t.numel() else 0.0,
+                    float(t.shape[0])]
+    mine = torch.tensor(summary, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(groups.pipeline))]
+    dist.all_gather(every, mine, group=groups.pipeline)
+    return all(torch.equal(e, mine) for e in every)
