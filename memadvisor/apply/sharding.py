@@ -16,6 +16,8 @@ hybrid=G    zero2/zero3 on a 2-D mesh (replicate x shard) = HSDP; zero1 shards t
 ==========  ======================================================================
 
 The process group is created here when the script did not: gloo on CPU, nccl on CUDA.
+gloo groups get one worker thread, which zero2/zero3 and tp plans drain after each
+collective, so its buffers are freed at the same point in every run (``gloo_release``).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Plan, PlanError
-from . import fsdp_params
+from . import fsdp_params, gloo_release
 from .ddp_wrapper import ModelFacingDDP
 
 
@@ -69,6 +71,7 @@ def init_process_group(device_type: str, ranks: Ranks) -> bool:
     if device_type == "cuda":
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     else:
+        gloo_release.create_groups_with_one_worker()
         dist.init_process_group("gloo")
     return True
 
@@ -76,6 +79,9 @@ def init_process_group(device_type: str, ranks: Ranks) -> bool:
 def wrap_model(model: nn.Module, plan: Plan, device_type: str, blocks: list[str]) -> nn.Module:
     """The model the script should call from now on (a DDP wrapper, or ``model`` itself
     turned into an FSDP module in place)."""
+    if device_type == "cpu" and (plan.uses_fsdp or plan.tp > 1) and plan.pp == 1:
+        # collective buffers freed at one point every run, not when gloo's thread runs
+        gloo_release.install_drain()
     if plan.shard in ("ddp", "zero1"):
         # ModelFacingDDP: the script's model.<attr> still works on what prepare returns
         device_ids = [torch.cuda.current_device()] if device_type == "cuda" else None
