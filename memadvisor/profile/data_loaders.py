@@ -44,6 +44,8 @@ class LoaderRecord:
         #: (time_ns, bytes, device, non_blocking, source_pinned, from_batch, (file, line))
         self.copies: list[tuple] = []
         self.workers = WorkerMemory()
+        #: batches whose description failed (an unusual batch type): not recorded
+        self.problems = 0
 
     def describe(self, boundary_ns: list[int]) -> dict:
         steps: dict[int, dict] = {}
@@ -83,6 +85,8 @@ class LoaderRecord:
             "copies": list(sites.values()),
             "cpu_count": _cpu_count(), "host_memory_bytes": _host_memory_bytes(),
         }
+        if self.problems:
+            described["batches_not_described"] = self.problems
         if self.settings.get("num_workers"):
             described["workers_memory"] = self.workers.describe()
         return described
@@ -140,7 +144,10 @@ class DataLoaderWatch:
             except StopIteration:
                 record.workers.sample(iterator, watch.clock(), force=True)
                 raise
-            watch._arrived(record, iterator, data, start_ns, watch.clock())
+            try:
+                watch._arrived(record, iterator, data, start_ns, watch.clock())
+            except Exception:  # noqa: BLE001 - the script's batch matters more
+                record.problems += 1
             return data
 
         for owner, name, wrapper in ((DataLoader, "__init__", __init__),
@@ -226,20 +233,26 @@ class DataLoaderWatch:
             result = original_to(self, *args, **kwargs)
             try:
                 device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-            except (TypeError, RuntimeError, ValueError):
-                return result
-            watch._copied(self, device, non_blocking)
+                watch._copied(self, device, non_blocking)
+            except Exception:  # noqa: BLE001 - never fail the script's copy
+                pass
             return result
 
         def cuda(self, device=None, non_blocking=False, **kwargs):
             result = original_cuda(self, device, non_blocking, **kwargs)
-            watch._copied(self, result.device, non_blocking)
+            try:
+                watch._copied(self, result.device, non_blocking)
+            except Exception:  # noqa: BLE001 - never fail the script's copy
+                pass
             return result
 
         def copy_(self, src, non_blocking=False):
             result = original_copy(self, src, non_blocking)
-            if isinstance(src, torch.Tensor):
-                watch._copied(src, self.device, non_blocking)
+            try:
+                if isinstance(src, torch.Tensor):
+                    watch._copied(src, self.device, non_blocking)
+            except Exception:  # noqa: BLE001 - never fail the script's copy
+                pass
             return result
 
         for name, wrapper, original in (("to", to, original_to), ("cuda", cuda, original_cuda),
