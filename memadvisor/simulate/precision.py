@@ -157,6 +157,12 @@ def _pure_bf16(timeline: Timeline, device_type: str) -> Timeline:
     copies = saved_inplace_copies(timeline, np.flatnonzero(lowered & timeline.dtype_in(
         ("float32",))))
     out = out.resized(np.where(copies, out.size / 2, out.size))
+    # the script's own autocast (bf16) copied its fp32 weights; of bf16 parameters it makes
+    # no copy (autocast's cast of a tensor already in the target dtype returns it)
+    own_copies = timeline.category_mask(schema.AUTOCAST_WEIGHT) & timeline.dtype_in(
+        ("bfloat16",))
+    if own_copies.any():
+        out = out.resized(np.where(own_copies, 0.0, out.size))
     island = np.flatnonzero(keep_fp32 & (timeline.phase == _FORWARD) & (timeline.size > 4))
     if len(island):
         first = island[np.argmin(timeline.alloc_key[island])]
