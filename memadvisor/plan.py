@@ -453,14 +453,18 @@ def _pipeline_problems(plan: Plan) -> Iterable[str]:
                    f"{pp} or fewer than {2 * pp}")
     if plan.tp > 1:
         yield f"pp={pp} with tp={plan.tp} is not supported yet: use one of them"
-    if plan.shard not in ("none", "ddp") or plan.hybrid is not None:
+    if plan.shard not in ("none", "ddp", "zero2", "zero3") or plan.hybrid is not None:
         yield (f"pp={pp} with shard={plan.shard}{'' if plan.hybrid is None else ',hybrid'} is "
                f"not supported yet: a pipeline runs alone (world={pp}) or beside copies of "
-               f"itself with shard=ddp (world = pp x replicas)")
-    elif plan.shard == "ddp" and (plan.world % pp or plan.world == pp):
-        yield (f"pp={pp} with shard=ddp runs world / pp pipelines side by side: world must be "
-               f"a multiple of {pp} with at least 2 of them (world={2 * pp}), got "
+               f"itself with shard=ddp|zero2|zero3 (world = pp x replicas)")
+    elif plan.shard != "none" and (plan.world % pp or plan.world == pp):
+        yield (f"pp={pp} with shard={plan.shard} runs world / pp pipelines side by side: world "
+               f"must be a multiple of {pp} with at least 2 of them (world={2 * pp}), got "
                f"world={plan.world}")
+    elif plan.uses_fsdp and schedule == "interleaved":
+        yield (f"pp={pp} with shard={plan.shard} and schedule=interleaved is not supported yet "
+               "(FSDP's hooks would run on the blocks a rank's other stage passes through): "
+               "use 1f1b or gpipe, or shard=ddp")
     elif plan.shard == "none" and plan.world != pp:
         yield (f"pp={pp} with world={plan.world}: a pipeline alone runs one stage per rank, "
                f"so world must equal pp (several pipelines side by side: shard=ddp)")

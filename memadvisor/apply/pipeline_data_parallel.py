@@ -60,12 +60,36 @@ def make_groups(plan: Plan, device_type: str) -> Groups:
     return Groups(mesh["pp"].get_group(), mesh["dp"].get_group(), replicas, mesh)
 
 
+def shard_blocks(module, blocks: list, plan: Plan, groups: Groups, optimizer) -> None:
+    """zero2/zero3: FSDP2 ``fully_shard`` on each of this rank's blocks (``blocks``: the
+    modules) over its stage's data-parallel group, so each replica holds 1/D of the stage's
+    block parameters, gradients and optimizer state; the optimizer's groups take the
+    sharded parameters (no state exists yet).  The layers outside the stack are the root
+    unit, sharded too; their gradients (zero on the middle stages) are summed over the
+    pipeline after the schedule, shard by shard."""
+    if not plan.uses_fsdp or groups.data_parallel_size == 1:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    reshard = plan.shard == "zero3"
+    for block in blocks:
+        fully_shard(block, mesh=groups.mesh["dp"], reshard_after_forward=reshard)
+    # the rest (embeddings, final norm, head; a tied weight once) as the root unit, as
+    # apply's zero2/zero3 without a pipeline: only the end stages use it
+    fully_shard(module, mesh=groups.mesh["dp"], reshard_after_forward=reshard)
+    after = dict(module.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [after[names[id(p)]] for p in group["params"]]
+
+
 def average_gradients(parameters, groups: Groups) -> None:
-    """Each gradient averaged over this stage's data-parallel replicas, in place."""
+    """Each gradient averaged over this stage's data-parallel replicas, in place (FSDP's
+    sharded ones, DTensors, were averaged by its reduce-scatter)."""
     if groups.data_parallel_size == 1:
         return
     for p in parameters:
-        if p.grad is not None:
+        if p.grad is not None and not hasattr(p.grad, "to_local"):
             dist.all_reduce(p.grad, group=groups.data_parallel)
             p.grad.div_(groups.data_parallel_size)
 

@@ -119,7 +119,7 @@ class PipelineModel(nn.Module):
 
     def __init__(self, module: nn.Module, plan: Plan, rank: int, blocks: list[str],
                  chunks: list[range], device: torch.device,
-                 groups: pipeline_data_parallel.Groups | None = None):
+                 groups: pipeline_data_parallel.Groups | None = None, optimizer=None):
         super().__init__()
         self.groups = groups or pipeline_data_parallel.Groups()
         self.module = module
@@ -141,16 +141,21 @@ class PipelineModel(nn.Module):
         #: the next block takes it; weak so it keeps no activation alive)
         self.outputs: dict[int, weakref.ref] = {}
         modules = dict(module.named_modules())
-        self.replicated = [p for name, p in module.named_parameters()
-                           if not any(name.startswith(b + ".") for b in blocks)]
         for index, path in enumerate(blocks):
             parent, _, leaf = path.rpartition(".")
             if index not in self.owned:
                 setattr(modules[parent] if parent else module, leaf, _Skip())
         modules = dict(module.named_modules())
+        pipeline_data_parallel.shard_blocks(module, [modules[blocks[i]] for i in self.owned],
+                                            plan, self.groups, optimizer)
+        #: the layers outside the stack (after FSDP made its parameters: zero2/zero3)
+        self.replicated = [p for name, p in module.named_parameters()
+                           if not any(name.startswith(b + ".") for b in blocks)]
         for index, path in enumerate(blocks):
             block = modules[path]
-            block.register_forward_pre_hook(self._make_pre_hook(index))
+            # before FSDP's pre-forward (which hands the block new input tensors); after
+            # its post-forward
+            block.register_forward_pre_hook(self._make_pre_hook(index), prepend=True)
             block.register_forward_hook(self._make_hook(index))
             if len(chunks) > 1 and index in self.owned:
                 block.forward = self._gated(index, block.forward)
@@ -305,7 +310,7 @@ class PipelineModel(nn.Module):
             stage.submod.context = context
         losses: list[torch.Tensor] = []
         target = torch.zeros(batch_size, device=self.device)
-        earlier = self._set_aside_gradients()
+        earlier = pipeline_collectives.set_aside_gradients(self.module)
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
         self.outputs.clear()
         self._scale_gradients()
@@ -335,19 +340,6 @@ class PipelineModel(nn.Module):
         values = [loss if i == index else None for i in range(length)]
         return tuple(values) if kind == "tuple" else values
 
-    def _set_aside_gradients(self) -> dict[int, torch.Tensor]:
-        """The gradients from earlier pipeline calls of this optimizer step (a script that
-        accumulates itself: nanoGPT's ``gradient_accumulation_steps``), by parameter id,
-        taken off the parameters: the schedule divides every gradient of the stage by M
-        (``scale_grads``), and the replicated layers' were summed over the stages already;
-        only this call's part may be."""
-        earlier = {}
-        for p in self.module.parameters():
-            if p.grad is not None:
-                earlier[id(p)] = p.grad
-                p.grad = None
-        return earlier
-
     def _scale_gradients(self):
         """Each gradient of this rank divided by M once (the mean-loss math of the
         unmodified step), as ``scale_grads=True`` does for one stage."""
@@ -365,7 +357,8 @@ class PipelineModel(nn.Module):
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.groups.pipeline)
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, group=self.groups.pipeline)
 
 
 def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
@@ -396,4 +389,5 @@ def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Pl
                           else f"cuda:{torch.cuda.current_device()}")
     groups = pipeline_data_parallel.make_groups(plan, device_type)
     pipeline_collectives.pipeline_group = groups.pipeline
-    return PipelineModel(module, plan, place, blocks, chunks, device, groups)
+    pipeline_collectives.data_parallel_group = groups.data_parallel
+    return PipelineModel(module, plan, place, blocks, chunks, device, groups, optimizer)
