@@ -2,25 +2,32 @@
 
 For each checkpointed region (a module path and its submodules; '' is the whole model):
 
-* forward: activations the region saves for its own backward (allocated in the region's
-  forward, still alive when the region's backward starts) are no longer kept: where the
-  trace records data flow (format 3), each dies once the last op of the region's forward
-  that reads it has run (``_ForwardReaders``; one nothing reads, e.g. a normalisation's
-  saved statistics or a dropout mask, when the op that made it returns), else when the
-  region's forward ends;  one that an op after the region reads (the region's output,
-  saved downstream) keeps its lifetime.  A
-  step with several backward passes calls the region once per pass (a GAN's
-  discriminator): each call, with the backward that follows it, is transformed alone;
-* backward: just before the region's first backward allocation its forward is replayed
-  (activations and temporaries, in their order) up to the last saved tensor (non-reentrant
-  checkpoint stops recomputing early there); recomputed activations then die at their
-  original backward frees, recomputed temporaries as they did in forward;
+* calls: a step with several backward passes calls the region once per pass (a GAN's
+  discriminator), and a forward may call it many times (a decoder in a loop over time,
+  ``_repeated_calls``): each call is checkpointed on its own, as apply's wrapped forward
+  does, and transformed with its own backward;
+* forward: activations a call saves for its own backward (allocated in the call, still
+  alive when the region's backward starts) are no longer kept: where the trace records
+  data flow (format 3), each dies once the last op of the call that reads it has run
+  (``_ForwardReaders``; one nothing reads, e.g. a normalisation's saved statistics or a
+  dropout mask, when the op that made it returns), else when the call ends; one that an
+  op after the call reads (its output, saved downstream) keeps its lifetime.  The call's
+  arguments (rows made before it that its ops read) live until its backward is done:
+  checkpoint keeps them to recompute from;
+* backward: the call's forward is replayed (activations and temporaries, in their order)
+  up to the last saved tensor (non-reentrant checkpoint stops recomputing early there):
+  the region's last call just before the region's first backward allocation, an earlier
+  one just before its backward first reads one of its saved tensors; recomputed
+  activations then die at their original backward frees, recomputed temporaries as they
+  did in forward;
 * on a CPU model, ``preserve_rng_state`` keeps a copy of the CPU generator state
-  (``CPU_RNG_STATE_BYTES``) from the region's forward until its backward is done, and the
+  (``CPU_RNG_STATE_BYTES``) from the call's forward until its backward is done, and the
   recompute (under ``fork_rng``) holds one more while it runs.
 
 Regions are located from alloc events only: a free row carries its storage's allocation
-module, not the module running when it is freed.
+module, not the module running when it is freed.  Modules the script checkpoints itself
+(``own_checkpoints.script_checkpointed``) are not regions: apply leaves them as the script
+runs them.
 """
 from __future__ import annotations
 
@@ -64,6 +71,21 @@ class _Index:
         self.rows_by_alloc = np.argsort(timeline.alloc_key, kind="stable")
         self.sorted_alloc_keys = timeline.alloc_key[self.rows_by_alloc]
         self.readers = _ForwardReaders.of(timeline)
+        self.backward_reads = _backward_reads(timeline)
+
+    def backward_reads_of(self, rows: np.ndarray, member: np.ndarray, after: float
+                          ) -> np.ndarray:
+        """Keys of the backward events after ``after`` whose op, one of the region's
+        (``member``), reads one of ``rows`` (unpacks a saved tensor); empty where the
+        trace records no such read."""
+        if self.backward_reads is None:
+            return np.zeros(0)
+        source, key, module = self.backward_reads
+        lo = np.searchsorted(source, rows, "left")
+        hi = np.searchsorted(source, rows, "right")
+        reader = np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]
+                                + [np.zeros(0, np.int64)])
+        return key[reader][member[module[reader]] & (key[reader] > after)]
 
     def member_modules(self, region: str) -> np.ndarray:
         """Bool per module code: the region's module and its submodules."""
@@ -107,8 +129,10 @@ class _ForwardReaders:
     A local variable that holds a tensor past its last read is the exception it misses;
     the bound is the region's end, where it dies without data flow."""
 
-    def __init__(self, source: np.ndarray, reader_key: np.ndarray, op_end: tuple):
+    def __init__(self, source: np.ndarray, reader_key: np.ndarray, op_end: tuple,
+                 reader_module: np.ndarray | None = None):
         self.source, self.reader_key, self.op_end = source, reader_key, op_end
+        self.reader_module = reader_module
 
     @classmethod
     def of(cls, timeline: Timeline) -> "_ForwardReaders | None":
@@ -119,7 +143,18 @@ class _ForwardReaders:
         forward = timeline.phase[reader] == _FORWARD
         source, reader = reads.rows[forward], reader[forward]
         order = np.argsort(source, kind="stable")
-        return cls(source[order], timeline.alloc_key[reader[order]], _op_ends(timeline))
+        return cls(source[order], timeline.alloc_key[reader[order]], _op_ends(timeline),
+                   timeline.module[reader[order]])
+
+    def read_outside(self, rows: np.ndarray, member: np.ndarray, after: float) -> bool:
+        """Whether an op of a module outside ``member`` reads one of ``rows`` after the
+        key ``after``."""
+        lo = np.searchsorted(self.source, rows, "left")
+        hi = np.searchsorted(self.source, rows, "right")
+        for a, b in zip(lo.tolist(), hi.tolist()):
+            if ((self.reader_key[a:b] > after) & ~member[self.reader_module[a:b]]).any():
+                return True
+        return False
 
     def death(self, rows: np.ndarray, made: np.ndarray, start: float, end: float
               ) -> tuple[np.ndarray, np.ndarray]:
@@ -141,6 +176,19 @@ class _ForwardReaders:
                      max(len(self.op_end[0]) - 1, 0))
         died = np.where(self.op_end[0][at] == last, self.op_end[1][at], last + 0.5)
         return np.minimum(died, end + 0.5), read_after
+
+
+def _backward_reads(timeline: Timeline) -> tuple[np.ndarray, ...] | None:
+    """(rows read in backward, sorted; the alloc key and the module of the op reading
+    each)."""
+    reads = timeline.reads
+    if reads is None or not len(reads.rows):
+        return None
+    reader = np.repeat(np.arange(len(reads.counts())), reads.counts())
+    backward = timeline.phase[reader] == _BACKWARD
+    source, reader = reads.rows[backward], reader[backward]
+    order = np.argsort(source, kind="stable")
+    return source[order], timeline.alloc_key[reader[order]], timeline.module[reader[order]]
 
 
 def _op_ends(timeline: Timeline) -> tuple[np.ndarray, np.ndarray]:
@@ -211,19 +259,46 @@ def _checkpoint_region(timeline: Timeline, index: _Index, free_key: np.ndarray,
     if not len(forward_allocs) or not len(backward_allocs):
         return None
     freed, spans = 0, []
-    for calls in _calls(index, forward_allocs):
-        start, end = int(calls[0]), int(calls[-1])
-        after = backward_allocs[backward_allocs > end]
+    for in_pass in _calls(index, forward_allocs):
+        after = backward_allocs[backward_allocs > in_pass[-1]]
         if not len(after):
             continue
-        saved_bytes, last_saved = _checkpoint_call(
-            timeline, index, free_key, added, member, start, end, after, device_type,
-            float32)
-        if saved_bytes:
-            freed += saved_bytes
-            spans.append((start, last_saved))
+        backward_start = int(after[0])
+        pass_end = index.pass_end(backward_start, timeline.n_events)
+        in_backward = after[after < pass_end]
+        calls = _repeated_calls(timeline, index, member, in_pass)
+        # backward runs the calls last first; each call is recomputed when its first
+        # saved tensor is unpacked, and lets go of its generator state once its backward
+        # is done: when the call before it is recomputed
+        todo, later_frees = [], None
+        for call in reversed(calls):
+            start, end = int(call[0]), int(call[-1])
+            saved = _saved_rows(timeline, index, free_key, member, start, end, backward_start)
+            if not len(saved):
+                continue
+            reads = index.backward_reads_of(saved, member, backward_start - 1)
+            reads = reads[reads < pass_end]
+            if not todo:  # the last call: before the region's first backward allocation
+                recompute_at = backward_start
+            elif len(reads):  # an earlier one: where its backward reads its first one
+                recompute_at = int(reads.min())
+            else:  # no data flow: from when the later call's saved tensors are released
+                recompute_at = _recompute_at(free_key[saved], later_frees, in_backward,
+                                             backward_start)
+            later_frees = free_key[saved].copy()
+            todo.append((start, end, saved, recompute_at))
+        for i, (start, end, saved, recompute_at) in enumerate(todo):
+            state_until = (todo[i + 1][3] - 0.5 if i + 1 < len(todo)
+                           else float(in_backward[-1]) + 0.5)
+            saved_bytes, last_saved = _checkpoint_call(
+                timeline, index, free_key, added, member, start, end, saved, recompute_at,
+                state_until, device_type, float32)
+            if saved_bytes:
+                freed += saved_bytes
+                spans.append((start, last_saved))
     if not spans:
         return None
+    spans.sort()
     return RegionEffect(region, freed, (spans[0][0], spans[-1][1]))
 
 
@@ -236,24 +311,105 @@ def _calls(index: _Index, forward_allocs: np.ndarray) -> list[np.ndarray]:
     return np.split(forward_allocs, np.flatnonzero(np.diff(passes)) + 1)
 
 
-def _checkpoint_call(timeline: Timeline, index: _Index, free_key: np.ndarray, added: list,
-                     member: np.ndarray, start: int, end: int, backward_after: np.ndarray,
-                     device_type: str, float32: int):
-    """One call of the region (forward allocations ``start``..``end``); its backward is the
-    region's next backward allocations (``backward_after``, up to the end of that pass).
-    Shortens lifetimes in ``free_key``, adds the recomputed rows to ``added``; returns the
-    bytes no longer kept and the last saved row's key."""
-    backward_start = int(backward_after[0])
-    pass_end = index.pass_end(backward_start, timeline.n_events)
-    backward_last = int(backward_after[backward_after < pass_end][-1])
+#: runs of allocations by one module whose recurrence starts another call of a region
+CALL_SIGNATURE = 4
 
+
+def _repeated_calls(timeline: Timeline, index: _Index, member: np.ndarray,
+                    allocs: np.ndarray) -> list[np.ndarray]:
+    """One pass's forward allocations of a region, split into its calls when the forward
+    calls it several times (a decoder in a Python loop over time, a weight-shared block):
+    non-reentrant checkpoint wraps each call on its own, recomputes it when that call's
+    backward starts and lets it go when it is done, so one call's activations come back at
+    a time, not all of them.  The allocations are read as runs by one module (its ops may
+    allocate more or less from call to call: an embedding copies a strided index); a call
+    starts where the first ``CALL_SIGNATURE`` runs of the first one recur.  The split
+    stands only where every call runs the same modules in the same order and a call
+    before the last hands the code outside the region a tensor (its output, which the
+    data flow records where an op reads it) -- a loop inside the region over one submodule
+    hands nothing out before its last iteration.  Anything else is one call."""
+    if index.readers is None:
+        return [allocs]
+    modules = timeline.event_module[allocs]
+    run_starts = np.flatnonzero(np.append(True, modules[1:] != modules[:-1]))
+    runs = modules[run_starts]
+    if len(runs) < 2 * CALL_SIGNATURE:
+        return [allocs]
+    windows = np.lib.stride_tricks.sliding_window_view(runs, CALL_SIGNATURE)
+    starts = np.flatnonzero((windows == runs[:CALL_SIGNATURE]).all(axis=1))
+    if len(starts) < 2:
+        return [allocs]
+    per_call = np.split(runs, starts[1:])
+    if any(len(c) != len(per_call[0]) or (c != per_call[0]).any() for c in per_call):
+        return [allocs]
+    calls = np.split(allocs, run_starts[starts[1:]])
+    if not any(index.readers.read_outside(timeline.event_row[call], member, float(call[-1]))
+               for call in calls[:-1]):
+        return [allocs]
+    return calls
+
+
+def _saved_rows(timeline: Timeline, index: _Index, free_key: np.ndarray, member: np.ndarray,
+                start: int, end: int, backward_start: int) -> np.ndarray:
+    """The activations one call (forward allocations ``start``..``end``) saves for its
+    backward: still alive when the region's backward starts."""
     rows = index.rows_made_between(start, end)
     rows = rows[member[timeline.module[rows]]]
     is_saved = ((timeline.category[rows] == CATEGORY_CODE[schema.ACTIVATION])
                 & (free_key[rows] >= backward_start))
-    if not is_saved.any():
-        return 0, start
-    saved = rows[is_saved]
+    return rows[is_saved]
+
+
+def _recompute_at(frees: np.ndarray, later_frees: np.ndarray | None,
+                  in_backward: np.ndarray, backward_start: int) -> int:
+    """The event before which one call is recomputed: the region's first backward
+    allocation after the later call's saved tensors are released (those released before
+    this call's first one: by that call's own backward); for the last call, the region's
+    first backward allocation."""
+    if later_frees is None:
+        return backward_start
+    first_own = float(frees.min())
+    done = later_frees[later_frees < first_own]
+    if not len(done):
+        return backward_start
+    at = in_backward[(in_backward > done.max()) & (in_backward < first_own)]
+    return int(at[0]) if len(at) else backward_start
+
+
+_ARGUMENT_CATEGORIES = np.array([CATEGORY_CODE[c] for c in (
+    schema.ACTIVATION, schema.TEMPORARY, schema.INPUT)])
+
+
+def _hold_arguments(timeline: Timeline, free_key: np.ndarray, rows: np.ndarray,
+                    start: int, until: float) -> None:
+    """Non-reentrant checkpoint keeps the call's tensor arguments (its recompute reruns
+    the call on them) until the call's backward is done: a block's input that nothing in
+    the block saves -- a residual block that starts with an out-of-place ReLU -- lives
+    on to the block's backward instead of dying when the next op has read it.  The
+    arguments are read from the data flow: rows made before the call that its ops read."""
+    reads = timeline.reads
+    if reads is None or not len(rows):
+        return
+    first, last = reads.offsets[rows], reads.offsets[rows + 1]
+    if not (last > first).any():
+        return
+    read = np.unique(np.concatenate([reads.rows[a:b] for a, b in zip(first, last) if b > a]))
+    read = read[(timeline.alloc_key[read] < start)
+                & np.isin(timeline.category[read], _ARGUMENT_CATEGORIES)]
+    free_key[read] = np.maximum(free_key[read], until)
+
+
+def _checkpoint_call(timeline: Timeline, index: _Index, free_key: np.ndarray, added: list,
+                     member: np.ndarray, start: int, end: int, saved: np.ndarray,
+                     backward_start: int, state_until: float, device_type: str,
+                     float32: int):
+    """One call of the region (forward allocations ``start``..``end``) that saves
+    ``saved``, recomputed just before the event ``backward_start``; the RNG state it keeps
+    is freed at ``state_until``.  Shortens lifetimes in ``free_key``, adds the recomputed
+    rows to ``added``; returns the bytes no longer kept and the last saved row's key."""
+    rows = index.rows_made_between(start, end)
+    rows = rows[member[timeline.module[rows]]]
+    is_saved = np.isin(rows, saved)
     last_saved = float(timeline.alloc_key[saved].max())
 
     # recompute: rows of the region made up to the last saved one, replayed before backward
@@ -273,6 +429,7 @@ def _checkpoint_call(timeline: Timeline, index: _Index, free_key: np.ndarray, ad
     # in any case before its recompute begins (a region whose forward ends right before
     # backward, e.g. the whole model: its originals and their recomputed copies never
     # coexist); a tensor an op after the region reads is held there, not by the region
+    _hold_arguments(timeline, free_key, rows, start, float(free_key[saved].max()))
     dies_at = np.full(len(saved), end + 0.5)
     kept = np.zeros(len(saved), bool)
     if index.readers is not None:
@@ -285,15 +442,17 @@ def _checkpoint_call(timeline: Timeline, index: _Index, free_key: np.ndarray, ad
     copies["phase"] = np.full(len(replay), _BACKWARD, np.int8)
     added.append(copies)
     if device_type == "cpu":
-        # the generator state saved in forward lives until the region's backward is done
+        # the generator state saved in forward lives until the call's backward is done
         # (checkpoint's frame lets go of it then); the recompute runs under fork_rng, which
         # holds the current state meanwhile
         added.append({
             "size": np.full(2, CPU_RNG_STATE_BYTES, float),
             "alloc_key": np.array([start - 0.5, squeeze(start - 0.5)]),
-            "free_key": np.array([float(backward_last) + 0.5, recompute_end]),
+            "free_key": np.array([state_until, recompute_end]),
             "category": np.full(2, CATEGORY_CODE[schema.OTHER], np.int8),
             "dtype": np.full(2, float32, np.int16), "module": np.zeros(2, np.int32),
             "phase": np.array([_FORWARD, _BACKWARD], np.int8), "op": np.zeros(2, np.int32),
             "scales_with_batch": np.zeros(2, bool), "shape": np.full(2, "", dtype=object)})
     return int(timeline.size[saved[~kept]].sum()), int(last_saved)
+
+

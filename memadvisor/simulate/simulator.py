@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import UserError
 from ..plan import FSDP_SHARDS, Plan, PlanError, repeated_blocks, resolve_checkpoint_per_root
 from ..trace import schema
+from ..trace.analysis import analysed_step
 from ..trace.io import Trace
 from . import allocator as allocator_model
 from .accumulation import accumulated_events, accumulated_peak
@@ -34,6 +35,7 @@ from .batch import RESIZE_OP, mark_batch_scaling, parameter_shapes, scale_batch
 from .batch_coupling import coupling, coupling_warning
 from . import inplace_dtypes
 from .checkpoint import apply_checkpoint
+from .own_checkpoints import ScriptCheckpointed, script_checkpointed
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
                    work_profile)
 from .hardware import (LINK_EFFICIENCY, Hardware, cublas_workspace_bytes, device_rules,
@@ -67,6 +69,9 @@ class Baseline:
     rewritten: Timeline | None = None
     #: the op that couples the batch's samples (``batch_coupling``), or None
     batch_coupled: str | None = None
+    #: modules the script checkpoints itself (``own_checkpoints.script_checkpointed``): plans
+    #: leave them as they are, as apply does
+    script_checkpointed: ScriptCheckpointed | None = None
     #: the script's calls of ops refusing mixed dtypes (``inplace_dtypes.Sites``), or None
     dtype_sites: object = None
     #: (precision, device type) -> why that precision cannot run the script, or None
@@ -98,6 +103,9 @@ def prepare(trace: Trace) -> Baseline:
     coupled = coupling(timeline, int((meta.batch or {}).get("batch_size") or 0))
     if coupled:
         warnings.append(coupling_warning(coupled))
+    own_checkpoints = script_checkpointed(trace.events, analysed_step(trace), module_types)
+    if own_checkpoints.shown:
+        warnings.append(own_checkpoints.warning(module_types))
     module_bytes = {m["path"]: int(m.get("parameter_bytes", 0)) for m in meta.modules}
     total = {m["path"]: int(m.get("total_parameter_bytes", 0)) for m in meta.modules}
     blocks = repeated_blocks(meta.modules) if meta.modules else []
@@ -112,7 +120,7 @@ def prepare(trace: Trace) -> Baseline:
     return Baseline(timeline, meta, int((meta.batch or {}).get("batch_size") or 0),
                     "cuda" if str(meta.device).startswith("cuda") else "cpu",
                     module_bytes, blocks, fractions, work, timeline.peak(), warnings,
-                    rewritten, coupled,
+                    rewritten, coupled, own_checkpoints,
                     dtype_sites=inplace_dtypes.find_sites_in(trace, timeline))
 
 
@@ -210,12 +218,16 @@ def refuse_dtypes(base: Baseline, plan: Plan, hw: Hardware) -> None:
 def _regions(base: Baseline, plan: Plan, cache: dict | None) -> list[str]:
     if plan.checkpoint == "none":
         return []
-    if cache is None:
-        return resolve_checkpoint_per_root(plan, base.meta.modules)
     key = ("regions", plan.checkpoint)
-    if key not in cache:
-        cache[key] = resolve_checkpoint_per_root(plan, base.meta.modules)
-    return cache[key]
+    if cache is not None and key in cache:
+        return cache[key]
+    regions = resolve_checkpoint_per_root(plan, base.meta.modules)
+    own = base.script_checkpointed
+    if own is not None and own.modules:  # left as the script runs them (apply does too)
+        regions = [r for r in regions if not own.covers(r)]
+    if cache is not None:
+        cache[key] = regions
+    return regions
 
 
 def _precision_key(regions: list[str], plan: Plan, hw: Hardware) -> tuple:

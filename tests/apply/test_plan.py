@@ -187,12 +187,13 @@ def test_checkpoint_resolves_per_model_as_apply_prepares_each():
               for i in (0, 3, 6)]]
     auto = Plan.parse("checkpoint=auto")
     assert resolve_checkpoint_per_root(auto, tree) == ["main", "netG.main"]
-    assert resolve_checkpoint(auto, tree) == ["netG.main"]  # one tree: the larger model only
+    # one tree: every stack of repeated layers, each model's (issue #12)
+    assert resolve_checkpoint(auto, tree) == ["main", "netG.main"]
     named = Plan.parse("checkpoint=main")
     assert resolve_checkpoint_per_root(named, tree) == ["main", "netG.main"]
     # a trace without root marks: one model, as before
     unmarked = [{k: v for k, v in m.items() if k != "root"} for m in tree]
-    assert resolve_checkpoint_per_root(auto, unmarked) == ["netG.main"]
+    assert resolve_checkpoint_per_root(auto, unmarked) == ["main", "netG.main"]
 
 
 def test_tp_or_pp_alone_runs_on_its_own_ranks():
