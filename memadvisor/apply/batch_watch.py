@@ -11,9 +11,11 @@ under the plan and stopped there, before the op runs and before any optimizer st
   open_clip does under DDP) compares its b samples with the world's: (b, world x b) covers
   the batch and runs.  ``--allow-batch-coupling`` (``ALLOW_ENV``) runs it anyway.
 * a 16-bit plan on an op that refuses mixed dtypes (``index_add_``, ``scatter_add_``,
-  ``index_put_`` ... : autocast covers none of them) whose destination and source differ:
-  a buffer the script makes in fp32 (``torch.zeros(n)``) fed 16-bit messages, or the
-  reverse.  ``DtypeWatch`` runs during the prepared model's first forward.
+  ``index_put_``, ``lerp_`` ... : autocast covers none of them) whose destination and
+  source differ: a buffer the script makes in fp32 (``torch.zeros(n)``) fed 16-bit
+  messages, or the reverse; an fp32 EMA copy lerped towards bf16 parameters.
+  ``DtypeWatch`` runs through the prepared model's first iteration (first forward to
+  second), and raises only where torch itself would.
 
 Both name the script's line (the rewritten script's, with its code) in one PlanError.
 """
@@ -43,8 +45,11 @@ MIXED_DTYPE_REFUSED = {
     "scatter_": 2, "scatter": 2, "scatter_reduce_": 2, "scatter_reduce": 2,
     "index_copy_": 2, "index_copy": 2, "index_reduce_": 2, "index_reduce": 2,
     "masked_scatter_": 1, "masked_scatter": 1, "index_put_": 1, "index_put": 1,
-    "put_": 1, "__setitem__": 1}  # x[index] = v with a tensor index: index_put_
+    "put_": 1, "__setitem__": 1,  # x[index] = v with a tensor index: index_put_
+    "lerp_": 0, "lerp": 0}  # the ``end``
 _SOURCE_KEYWORDS = ("source", "src", "values", "value")
+#: these take a one-element source of another dtype (as a fill value)
+_ONE_VALUE_FILLS = ("index_put_", "index_put", "__setitem__")
 
 
 def allowed_coupling() -> bool:
@@ -83,6 +88,8 @@ class CouplingWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # dynamo tracing a compiled model: no bookkeeping
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         derived = [t for t in inputs if self._is_derived(t)]
@@ -124,6 +131,8 @@ class DtypeWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         where = MIXED_DTYPE_REFUSED.get(name)
         if name == "__setitem__" and not _advanced_index(args[1] if len(args) > 1 else None):
@@ -132,15 +141,19 @@ class DtypeWatch(TorchFunctionMode):
             source = args[where + 1] if len(args) > where + 1 else next(
                 (kwargs[k] for k in _SOURCE_KEYWORDS if k in kwargs), None)
             destination = args[0]
+            if name in _ONE_VALUE_FILLS and isinstance(source, torch.Tensor) and \
+                    source.numel() == 1:
+                source = None  # one value fills the places, cast (torch 2.13)
             if (isinstance(source, torch.Tensor) and destination.is_floating_point()
                     and source.is_floating_point() and source.dtype != destination.dtype):
                 raise PlanError(
                     f"precision={self.precision}: {_script_line()}: {name} writes a "
                     f"{_dtype(source)} source into a {_dtype(destination)} tensor, which "
                     f"torch refuses (autocast casts neither side of {name}): one side is "
-                    "made by the script in fp32 (a torch.zeros/ones/full without dtype=), the "
-                    "other comes from the model's 16-bit compute; make them agree (e.g. "
-                    "dtype=source.dtype, or source.to(destination.dtype)) or keep fp32")
+                    "16-bit under the plan (the model's compute, or its parameters under "
+                    "bf16), the other fp32 as the script made it (a torch.zeros/ones/full "
+                    "without dtype=, a copy of the model made before prepare); make them "
+                    "agree (dtype=..., source.to(destination.dtype)) or keep fp32")
         return func(*args, **kwargs)
 
 
@@ -150,31 +163,48 @@ def _advanced_index(index) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in tree_flatten(index)[0])
 
 
+def _leave(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off torch's function-mode stack wherever it is (the two watches end in
+    another order than they began: the coupling one at the first backward, the dtype one
+    at the second forward), the modes above it kept in their order."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+    if not any(m is mode for m in _get_current_function_mode_stack()):
+        return
+    above = []
+    while (top := _pop_mode()) is not mode:
+        above.append(top)
+    for other in reversed(above):
+        _push_mode(other)
+
+
 def _dtype(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).replace("torch.", "")
 
 
 def watch_first_forward(module: torch.nn.Module, precision: str) -> None:
-    """Run the module's first forward under ``DtypeWatch`` (16-bit plans only)."""
+    """Run the module's first iteration under ``DtypeWatch`` (16-bit plans only): from its
+    first forward to its second, so the loss, the step and what the script does after it
+    (an EMA copy made before ``prepare`` lerped towards 16-bit parameters) are watched.
+    The watch raises only where torch itself would, so its window costs time, not runs."""
     if precision not in ("amp-fp16", "amp-bf16", "bf16"):
         return
-    state = {"mode": None}
+    state = {"mode": None, "forwards": 0}
 
     def enter(*_):
-        if state["mode"] is None and not getattr(module, "_memadvisor_dtype_checked", False):
+        if state["mode"] is None and not state["forwards"]:
             state["mode"] = DtypeWatch(precision)
             state["mode"].__enter__()
-
-    def leave(*_):
-        mode, state["mode"] = state["mode"], None
-        if mode is not None:
-            module._memadvisor_dtype_checked = True
+        elif state["forwards"] and state["mode"] is not None:  # the second iteration
+            mode, state["mode"] = state["mode"], None
             pre.remove()
             post.remove()
-            mode.__exit__(None, None, None)
+            _leave(mode)
+
+    def done(*_):
+        state["forwards"] += 1
 
     pre = module.register_forward_pre_hook(enter)
-    post = module.register_forward_hook(leave, always_call=True)
+    post = module.register_forward_hook(done, always_call=True)
 
 
 def start_coupling_watch(values, first_part, parts: int, plan_text: str):
@@ -196,4 +226,4 @@ def start_coupling_watch(values, first_part, parts: int, plan_text: str):
 
 def end_coupling_watch(watch) -> None:
     if watch is not None:
-        watch.__exit__(None, None, None)
+        _leave(watch)

@@ -29,8 +29,9 @@ PAIRWISE_OPS = ("aten::mm", "aten::matmul", "aten::bmm", "aten::einsum", "aten::
                 "aten::_cdist_forward", "aten::cdist", "aten::_euclidean_dist")
 
 
-def coupling(timeline: Timeline, batch_size: int) -> str | None:
-    """A sentence naming the first op that couples the batch's samples, or None."""
+def coupling(timeline: Timeline, batch_size: int, where=None) -> str | None:
+    """A sentence naming the first op that couples the batch's samples, or None;
+    ``where(row)``: the script's line that made a row ('' where unknown)."""
     reads = timeline.reads
     if reads is None or batch_size <= 1:
         return None
@@ -45,8 +46,10 @@ def coupling(timeline: Timeline, batch_size: int) -> str | None:
         if (timeline.scales_with_batch[read]).sum() >= 2:
             op = timeline.ops[int(timeline.op[row])] or "an op"
             module = timeline.modules[int(timeline.module[row])] or "the top level"
-            return (f"{op} in {module} makes a ({batch_size}, {batch_size}) tensor from two "
-                    "batch tensors (in-batch similarities, as a contrastive loss computes)")
+            line = where(row) if where is not None else ""
+            return (f"{op} in {module}{f' at {line}' if line else ''} makes a ({batch_size}, "
+                    f"{batch_size}) tensor from two batch tensors (in-batch similarities, as a "
+                    "contrastive loss computes)")
     return None
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,7 @@ REFUSING = {"index_add_": 2, "index_add": 2, "scatter_add_": 2, "scatter_add": 2
             "scatter_": 2, "scatter": 2, "scatter_reduce_": 2, "scatter_reduce": 2,
             "index_copy_": 2, "index_copy": 2, "index_reduce_": 2, "index_reduce": 2,
             "masked_scatter_": 1, "masked_scatter": 1, "index_put_": 1, "index_put": 1,
-            "put_": 1}
+            "put_": 1, "lerp_": 0, "lerp": 0}
 _SOURCE_KEYWORDS = ("source", "src", "values", "value")
 #: the script sets the dtype itself: unknown to the trace
 _CONVERSIONS = {"to", "type", "type_as", "float", "half", "bfloat16", "double"}
@@ -87,20 +88,41 @@ def find_sites(timeline: Timeline, files: np.ndarray, lines: np.ndarray) -> Site
     return Sites(sites, typed)
 
 
-def find_sites_in(trace, timeline: Timeline) -> Sites | None:
-    """``find_sites`` for the analysed step of ``trace`` (None: no such call)."""
+def row_sources(trace, timeline: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """(file, line) of the script's line that made each row of ``timeline`` (the analysed
+    step of ``trace``; '' and 0 where unknown or made before the step)."""
     from ..trace.analysis import analysed_step, step_slice
     events = trace.events
+    files = np.full(len(timeline), "", dtype=object)
+    lines = np.zeros(len(timeline), np.int64)
     if "source_file" not in events or not len(timeline):
-        return None
+        return files, lines
     start = step_slice(events, analysed_step(trace)).start
     event = np.where(timeline.alloc_key >= 0, start + timeline.alloc_key, -1).astype(np.int64)
     known = event >= 0
-    files = np.full(len(timeline), "", dtype=object)
-    lines = np.zeros(len(timeline), np.int64)
     files[known] = events["source_file"].to_numpy()[event[known]]
     lines[known] = events["source_line"].fillna(0).to_numpy().astype(np.int64)[event[known]]
     files[pd.isna(files)] = ""
+    cwd = getattr(trace.meta, "cwd", "") or ""
+    for name in set(files[known].tolist()) if cwd else ():
+        if name and not os.path.isabs(name):  # recorded relative to the run's folder
+            files[files == name] = os.path.join(cwd, name)
+    return files, lines
+
+
+def where(files: np.ndarray, lines: np.ndarray, row: int) -> str:
+    """``file:line `code``` of a row, or '' where the trace does not say."""
+    if not files[row] or not lines[row]:
+        return ""
+    code = linecache.getline(str(files[row]), int(lines[row])).strip()
+    return f"{files[row]}:{lines[row]}" + (f" `{code}`" if code else "")
+
+
+def find_sites_in(trace, timeline: Timeline) -> Sites | None:
+    """``find_sites`` for the analysed step of ``trace`` (None: no such call)."""
+    files, lines = row_sources(trace, timeline)
+    if not files.any():
+        return None
     found = find_sites(timeline, files, lines)
     return found if found.sites else None
 
@@ -114,6 +136,8 @@ def refusal(found: Sites | None, timeline: Timeline, precision: str, device_type
     low = "float16" if precision == "amp-fp16" else "bfloat16"
     for site in found.sites:
         for destination, source in site.pairs:
+            if site.op.startswith("index_put") and _elements(timeline.shape[source]) == 1:
+                continue  # one value fills the places, cast (torch 2.13)
             if {regime[destination], regime[source]} == {_LOW, _FP32}:
                 written = [low if regime[r] == _LOW else "float32" for r in (source, destination)]
                 return (f"precision={precision}: {site.where}: {site.op} would write a "
@@ -121,6 +145,10 @@ def refusal(found: Sites | None, timeline: Timeline, precision: str, device_type
                         f"(autocast casts neither side of {site.op}); make the two agree in the "
                         "script (dtype=, .to(...)) or keep fp32")
     return None
+
+
+def _elements(shape: str) -> int:
+    return int(np.prod([int(d) for d in str(shape).split(",") if d])) if shape else 1
 
 
 def regimes(timeline: Timeline, precision: str, device_type: str,

@@ -35,7 +35,9 @@ def prediction_dict(base: Baseline, prediction: Prediction, hw: Hardware) -> dic
         "out_of_memory": prediction.out_of_memory,
         "per_rank": plan.world > 1,
         "hardware": hw.name,
-        #: gloo (CPU) shard plans: the peak when its worker thread frees at once
+        #: gloo (CPU) zero2/zero3 and tp plans: the peak when what a collective used is
+        #: freed as the collective returns -- what ``apply``'s runs measure (it drains
+        #: gloo's worker thread, apply/gloo_release.py)
         "peak_bytes_if_collectives_free_at_once": prediction.notes.get(
             "peak_bytes_if_collectives_free_at_once"),
         #: pp: every stage's peak and its terms (pipeline_parallel.py); the peak is the worst
@@ -75,9 +77,11 @@ def simulate_text(data: dict) -> str:
                      f"{stage['in_flight_micro_batches']} in flight): "
                      f"{format_bytes(stage['peak_bytes'])} ({stage['peak_bytes']:,} B)")
     if data.get("peak_bytes_if_collectives_free_at_once") is not None:
-        lines.append(f"  (gloo's worker thread frees collective buffers when it is scheduled: "
-                     f"{format_bytes(data['peak_bytes_if_collectives_free_at_once'])} in a "
-                     f"run where it is on time; the peak above is the late case)")
+        lines.append(f"  (memadvisor apply frees gloo's collective buffers as each collective "
+                     f"returns: its runs peak at "
+                     f"{format_bytes(data['peak_bytes_if_collectives_free_at_once'])}; the peak "
+                     f"above also holds where gloo's worker thread frees them late, on a "
+                     f"process group the script made itself)")
     if data["reserved_bytes"] is not None and data["reserved_bytes"] != data["peak_bytes"]:
         lines.append(f"allocator: allocated {format_bytes(data['allocated_bytes'])}, "
                      f"reserved {format_bytes(data['reserved_bytes'])}")
@@ -121,12 +125,14 @@ def advise_dict(base: Baseline, result: SearchResult, hw: Hardware) -> dict:
 
 def script_refusals(rejected) -> dict[str, int]:
     """The reasons the script's own code gives to leave plans out (a loss coupling the
-    batch's samples, an op refusing mixed dtypes), each with how many plans it took."""
+    batch's samples, an op refusing mixed dtypes, a batch of samples of different sizes
+    concatenated), each with how many plans it took."""
     from .batch_coupling import SPLIT_REFUSAL
     from .inplace_dtypes import REFUSAL_MARK
+    from .ragged_batch import RAGGED
     out: dict[str, int] = {}
     for _, why in rejected:
-        if why.startswith(SPLIT_REFUSAL) or REFUSAL_MARK in why:
+        if why.startswith((SPLIT_REFUSAL, RAGGED)) or REFUSAL_MARK in why:
             out[why] = out.get(why, 0) + 1
     return out
 

@@ -321,7 +321,8 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     bounds = _LastLayout()  # the plans run in layout order: one layout's bounds at a time
     # a loss coupling the batch's samples grows with its square: no linear extrapolation
     # (base.warnings says so)
-    shown = [] if base.batch_coupled else ranked[:3]
+    # nor a batch whose size counts nodes or tokens (``ragged_batch``)
+    shown = [] if base.batch_coupled or base.ragged_batch else ranked[:3]
     sizes = _in_layout_order(base, hw, [p.plan for p in shown], cache, stage_keys,
                              lambda plan: max_micro_batch(
                                  base, plan, hw, usable, cache=cache,

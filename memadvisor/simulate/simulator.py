@@ -33,7 +33,7 @@ from . import allocator as allocator_model
 from .accumulation import accumulated_events, accumulated_peak
 from .batch import RESIZE_OP, mark_batch_scaling, parameter_shapes, scale_batch
 from .batch_coupling import coupling, coupling_warning
-from . import inplace_dtypes
+from . import inplace_dtypes, ragged_batch
 from .checkpoint import apply_checkpoint
 from .own_checkpoints import ScriptCheckpointed, script_checkpointed
 from .cost import (Cost, WorkProfile, estimate, flops_from_shapes, with_shape_flops,
@@ -76,6 +76,8 @@ class Baseline:
     dtype_sites: object = None
     #: (precision, device type) -> why that precision cannot run the script, or None
     dtype_refusals: dict = field(default_factory=dict)
+    #: the batch is samples of different sizes concatenated (``ragged_batch``), or None
+    ragged_batch: str | None = None
 
 
 def prepare(trace: Trace) -> Baseline:
@@ -100,9 +102,14 @@ def prepare(trace: Trace) -> Baseline:
     if not (meta.batch or {}).get("batch_size"):
         warnings.append("the trace records no batch size: accumulation and world sizes "
                         "cannot scale activations")
-    coupled = coupling(timeline, int((meta.batch or {}).get("batch_size") or 0))
+    sources = inplace_dtypes.row_sources(trace, timeline)
+    coupled = coupling(timeline, int((meta.batch or {}).get("batch_size") or 0),
+                       lambda row: inplace_dtypes.where(*sources, row))
     if coupled:
         warnings.append(coupling_warning(coupled))
+    ragged = ragged_batch.ragged(trace.events, meta)
+    if ragged:
+        warnings.append(ragged)
     own_checkpoints = script_checkpointed(trace.events, analysed_step(trace), module_types)
     if own_checkpoints.shown:
         warnings.append(own_checkpoints.warning(module_types))
@@ -121,7 +128,8 @@ def prepare(trace: Trace) -> Baseline:
                     "cuda" if str(meta.device).startswith("cuda") else "cpu",
                     module_bytes, blocks, fractions, work, timeline.peak(), warnings,
                     rewritten, coupled, own_checkpoints,
-                    dtype_sites=inplace_dtypes.find_sites_in(trace, timeline))
+                    dtype_sites=inplace_dtypes.find_sites_in(trace, timeline),
+                    ragged_batch=ragged)
 
 
 @dataclass
@@ -206,13 +214,16 @@ def transform(base: Baseline, plan: Plan, hw: Hardware, micro_batch: int | None 
 
 def refuse_dtypes(base: Baseline, plan: Plan, hw: Hardware) -> None:
     """PlanError where the plan's precision meets an op of the script that refuses mixed
-    dtypes (``inplace_dtypes``); decided once per precision and device."""
+    dtypes (``inplace_dtypes``; decided once per precision and device), or the plan splits
+    a batch of samples of different sizes concatenated (``ragged_batch``)."""
     key = (plan.precision, hw.device_type)
     if key not in base.dtype_refusals:
         base.dtype_refusals[key] = inplace_dtypes.refusal(
             base.dtype_sites, base.timeline, plan.precision, hw.device_type)
     if base.dtype_refusals[key]:
         raise PlanError(base.dtype_refusals[key])
+    if base.ragged_batch and plan.data_parallel_size * plan.accum * plan.pipeline_microbatches > 1:
+        raise PlanError(base.ragged_batch)
 
 
 def _regions(base: Baseline, plan: Plan, cache: dict | None) -> list[str]:

@@ -176,3 +176,57 @@ def test_the_watch_stops_advanced_indexing_only(tmp_path):
     with pytest.raises(PlanError, match="__setitem__ writes a bfloat16 source into a float32"):
         with DtypeWatch("amp-bf16"):
             buffer[torch.tensor([0, 1])] = values
+
+
+def test_one_value_filled_by_index_put_is_cast_not_stopped():
+    import torch
+
+    from memadvisor.apply.batch_watch import DtypeWatch
+    buffer, mask = torch.zeros(4), torch.tensor([True, False, True, False])
+    with DtypeWatch("bf16"):
+        buffer[mask] = torch.ones(1, dtype=torch.bfloat16)  # torch casts one value
+        buffer.index_put_((mask,), torch.tensor(2.0, dtype=torch.bfloat16))
+    assert buffer.tolist() == [2.0, 0.0, 2.0, 0.0]
+
+
+EMA = '''
+import copy
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 1))
+ema = copy.deepcopy(model).requires_grad_(False)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(2):
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    optimizer.zero_grad()
+    loss = (model(x) - y).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    for ema_p, p in zip(ema.parameters(), model.parameters()):
+        ema_p.lerp_(p, 0.01)
+'''
+
+
+def test_an_fp32_ema_lerped_towards_bf16_parameters_is_stopped_after_the_step(tmp_path):
+    run = apply(tmp_path, EMA, "--plan", "precision=bf16")
+    assert run.returncode == 2, run.stderr
+    assert ("`ema_p.lerp_(p, 0.01)`: lerp_ writes a bfloat16 source into a float32 tensor"
+            in run.stderr)
+    assert apply(tmp_path, EMA, "--plan", "precision=amp-bf16").returncode == 0
+
+
+def test_the_watches_leave_in_any_order():
+    from torch.overrides import _get_current_function_mode_stack
+
+    from memadvisor.apply.batch_watch import CouplingWatch, DtypeWatch, _leave
+    before = len(_get_current_function_mode_stack())
+    coupling, dtypes = CouplingWatch([], 2, 4, "accum=2"), DtypeWatch("amp-bf16")
+    coupling.__enter__()
+    dtypes.__enter__()
+    _leave(coupling)  # the first backward, the dtype watch still on
+    assert _get_current_function_mode_stack()[-1] is dtypes
+    _leave(dtypes)
+    _leave(dtypes)  # twice: nothing
+    assert len(_get_current_function_mode_stack()) == before
