@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Environment, Plan, PlanError, environment_problems, repeated_blocks
-from . import (batch_watch, batching, checkpointing, checks, optimizers, pipeline_parallel,
-               precision, sharding, tensor_parallel)
+from . import (batch_watch, batching, checkpointing, checks, optimizers,
+               pipeline_data_parallel, pipeline_parallel, precision, sharding, tensor_parallel)
 
 _session: "Session | None" = None  #: the latest session (micro_batches splits for it)
 _sessions: "list[Session]" = []
@@ -132,7 +132,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
     batch_watch.watch_first_forward(module, plan.precision)
     tp_layout = tensor_parallel.apply_tensor_parallel(module, plan, device_type)
     blocks = repeated_blocks(checkpointing.module_entries(module)) if plan.uses_fsdp else []
-    wrapped = sharding.wrap_model(module, plan, device_type, blocks)
+    # a pipeline shards (or averages) each stage's gradients over its data-parallel group
+    # itself (pipeline_data_parallel): no DDP/FSDP wrapper around the whole model
+    wrapped = (sharding.wrap_model(module, plan, device_type, blocks) if plan.pp == 1
+               else module)
     checks.watch_wrapper(wrapped, evidence)
     sharding.forward_methods(module, wrapped, plan, methods)
 
@@ -227,8 +230,12 @@ def micro_batches(*values, batch_dims=None):
         decided = session.decided_batch_dims = {}
     session.micro_batches_per_step = plan.accum
     try:
+        # a pipeline replica takes its B / D samples whole (the schedule cuts them into M)
+        split_plan, split_rank = (
+            pipeline_data_parallel.batch_split(plan, session.ranks.rank) if plan.pp > 1
+            else (plan, tensor_parallel.data_parallel_rank(plan, session.ranks.rank)))
         for index, part in enumerate(batching.split(
-                values, plan, tensor_parallel.data_parallel_rank(plan, session.ranks.rank),
+                values, split_plan, split_rank,
                 model=session.model, batch_dims=batch_dims,
                 decided=decided)):
             last = index == plan.accum - 1

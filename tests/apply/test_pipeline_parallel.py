@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from apply_runs import REPO, relative_error, run_distributed, run_original, same_math_error
-from memadvisor.apply import pipeline_data_parallel, pipeline_parallel, runtime
+from memadvisor.apply import pipeline_data_parallel, pipeline_parallel
 from memadvisor.plan import Plan, PlanError
 
 GPT = REPO / "examples" / "gpt_lm.py"
@@ -238,15 +238,7 @@ def test_interleaved_on_two_ranks_trains_as_the_unmodified_run(tmp_path):
             (script.name, plan, relative_error(params, originals[script]))
 
 
-#: pp x ddp needs apply's micro_batches to hand a replica's ranks its slice, and prepare not
-#: to wrap the model in DDP under pp (runtime.py; see docs/APPLY.md "Pipeline x data
-#: parallelism"); until it does the first batch is refused (same_batch_in_pipeline)
-_RUNTIME_SPLITS_FOR_PIPELINES = "pipeline_data_parallel" in open(runtime.__file__).read()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _RUNTIME_SPLITS_FOR_PIPELINES,
-                    reason="runtime.micro_batches does not split batches per pipeline yet")
 def test_pp_with_ddp_on_four_ranks_trains_as_the_unmodified_run(tmp_path):
     """2 pipelines x 2 stages (gloo, 4 processes): each replica's gradients (M parts of its
     half) averaged over the 2 replicas -- all-reduced (ddp) or reduce-scattered to shards of
