@@ -17,7 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..plan import Environment, Plan, PlanError, environment_problems, tensor_parallel_blocks
+from ..plan import (Environment, Plan, PlanError, environment_problems,
+                    resolve_checkpoint_per_root, tensor_parallel_blocks)
 from ..units import format_bytes
 from .batch_coupling import split_refusal
 from .hardware import Hardware
@@ -54,11 +55,27 @@ def _precisions(allow: set[str], hw: Hardware) -> list[str]:
     return precisions
 
 
+def _checkpoint_choices(base: Baseline) -> list[str]:
+    """``auto`` where the model has repeated blocks that the script does not already
+    checkpoint itself (those plans would only repeat the ones without it)."""
+    if not base.blocks:
+        return ["none"]
+    own = base.script_checkpointed
+    if own is not None and own.modules:
+        try:
+            regions = resolve_checkpoint_per_root(Plan(checkpoint="auto"), base.meta.modules)
+        except PlanError:
+            return ["none"]
+        if all(own.covers(region) for region in regions):
+            return ["none"]
+    return ["none", "auto"]
+
+
 def candidate_plans(base: Baseline, gpus: int, allow: set[str], hw: Hardware) -> list[Plan]:
     precisions = _precisions(allow, hw)
     optimizers = ["keep"] + (["sgd", "sgd-momentum", "adafactor", "adam8bit"]
                              if "optimizer" in allow else [])
-    checkpoints = ["none", "auto"] if base.blocks else ["none"]
+    checkpoints = _checkpoint_choices(base)
     batch = base.batch_size or 1
     worlds = sorted({w for w in (1, 2, 4, 8, 16, 32, 64) if w <= gpus} | {gpus})
     shards_for = {1: ["none"]}
@@ -106,7 +123,7 @@ def tensor_parallel_candidates(base: Baseline, gpus: int, allow: set[str], hw: H
         return []
     batch = base.batch_size or 1
     optimizers = ["keep"] + (["sgd", "sgd-momentum"] if "optimizer" in allow else [])
-    checkpoints = ["none", "auto"] if base.blocks else ["none"]
+    checkpoints = _checkpoint_choices(base)
     out = []
     for tp in TP_DEGREES:
         groups = gpus // tp

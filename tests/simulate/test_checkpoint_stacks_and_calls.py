@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from memadvisor.apply.checkpointing import apply_checkpointing
 from memadvisor.plan import Plan, auto_checkpoint_modules
 from memadvisor.simulate import prepare, simulate
+from memadvisor.simulate.hardware import hardware
+from memadvisor.simulate.search import candidate_plans
 
 BATCH = 16
 
@@ -222,6 +224,12 @@ def test_blocks_the_script_checkpoints_itself_are_left_alone(loops):
     assert prediction.cost.step_time_factor == 1.0
     # a module outside them is still checkpointed
     assert simulate(base, Plan.parse("checkpoint=head")).regions == ["head"]
+    # advise proposes no checkpoint=auto plan: each would repeat the one without it
+    plans = candidate_plans(base, 1, {"precision", "accum"}, hardware(None, base.meta.device))
+    assert plans and all(p.checkpoint == "none" for p in plans)
+    unchecked = prepare(loops.run())
+    assert any(p.checkpoint == "auto" for p in candidate_plans(
+        unchecked, 1, {"precision", "accum"}, hardware(None, unchecked.meta.device)))
 
 
 def test_a_model_that_checkpoints_nothing_gets_no_such_warning(base):
