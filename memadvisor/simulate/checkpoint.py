@@ -72,6 +72,10 @@ class _Index:
         self.sorted_alloc_keys = timeline.alloc_key[self.rows_by_alloc]
         self.readers = _ForwardReaders.of(timeline)
         self.backward_reads = _backward_reads(timeline)
+        #: per module: inside a checkpointed region (set by ``apply_checkpoint``)
+        self.checkpointed: np.ndarray | None = None
+        #: (rows, key): a call's arguments, held until its backward is done
+        self.holds: list[tuple[np.ndarray, float]] = []
 
     def backward_reads_of(self, rows: np.ndarray, member: np.ndarray, after: float
                           ) -> np.ndarray:
@@ -86,6 +90,19 @@ class _Index:
         reader = np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]
                                 + [np.zeros(0, np.int64)])
         return key[reader][member[module[reader]] & (key[reader] > after)]
+
+    def saved_by_others(self, rows: np.ndarray, modules: np.ndarray) -> np.ndarray:
+        """Per row: whether a backward op of a module outside ``modules`` (a bool mask)
+        reads it, i.e. an op there saved it; False where the trace has no data flow."""
+        out = np.zeros(len(rows), bool)
+        if self.backward_reads is None:
+            return out
+        source, _, module = self.backward_reads
+        lo = np.searchsorted(source, rows, "left")
+        hi = np.searchsorted(source, rows, "right")
+        for i, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+            out[i] = bool((~modules[module[a:b]]).any())
+        return out
 
     def member_modules(self, region: str) -> np.ndarray:
         """Bool per module code: the region's module and its submodules."""
@@ -156,11 +173,13 @@ class _ForwardReaders:
                 return True
         return False
 
-    def death(self, rows: np.ndarray, made: np.ndarray, start: float, end: float
-              ) -> tuple[np.ndarray, np.ndarray]:
+    def death(self, rows: np.ndarray, made: np.ndarray, start: float, end: float,
+              checkpointed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per row: the key where it dies in a forward that saves nothing (its last reader
         in ``start..end`` ended; nothing read it: its own op ended), and whether an op
-        after ``end`` reads it (then it is not the region's to free)."""
+        after ``end`` reads it (then it is not the region's to free) -- an op of another
+        checkpointed call (``checkpointed``: per module) does not count: that call keeps
+        it as its argument until its backward, not longer (``_hold_arguments``)."""
         lo = np.searchsorted(self.source, rows, "left")
         hi = np.searchsorted(self.source, rows, "right")
         last = made.astype(float).copy()
@@ -168,7 +187,10 @@ class _ForwardReaders:
         for i, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
             keys = self.reader_key[a:b]
             if len(keys):
-                read_after[i] = bool((keys > end).any())
+                later = keys > end
+                if checkpointed is not None and self.reader_module is not None:
+                    later &= ~checkpointed[self.reader_module[a:b]]
+                read_after[i] = bool(later.any())
                 inside = keys[(keys >= start) & (keys <= end)]
                 if len(inside):
                     last[i] = max(last[i], float(inside.max()))
@@ -235,11 +257,16 @@ def apply_checkpoint(timeline: Timeline, regions: list[str], device_type: str = 
     float32 = (timeline.dtypes.index("float32") if "float32" in timeline.dtypes
                else len(timeline.dtypes))
     effects = []
+    index.checkpointed = np.zeros(len(timeline.modules), bool)
+    for region in regions:
+        index.checkpointed |= index.member_modules(region)
     for region in regions:
         effect = _checkpoint_region(timeline, index, free_key, added, region, device_type,
                                     float32)
         if effect is not None:
             effects.append(effect)
+    for rows, until in index.holds:  # after every region shortened what it saves
+        free_key[rows] = np.maximum(free_key[rows], until)
     if not added:
         return timeline, effects
     out = timeline.retimed(timeline.alloc_key, free_key)
@@ -380,13 +407,15 @@ _ARGUMENT_CATEGORIES = np.array([CATEGORY_CODE[c] for c in (
     schema.ACTIVATION, schema.TEMPORARY, schema.INPUT)])
 
 
-def _hold_arguments(timeline: Timeline, free_key: np.ndarray, rows: np.ndarray,
-                    start: int, until: float) -> None:
+def _hold_arguments(timeline: Timeline, index: _Index, rows: np.ndarray, start: int,
+                    until: float) -> None:
     """Non-reentrant checkpoint keeps the call's tensor arguments (its recompute reruns
     the call on them) until the call's backward is done: a block's input that nothing in
     the block saves -- a residual block that starts with an out-of-place ReLU -- lives
     on to the block's backward instead of dying when the next op has read it.  The
-    arguments are read from the data flow: rows made before the call that its ops read."""
+    arguments are read from the data flow: rows made before the call that its ops read.
+    Applied once every region is done (``index.holds``), so that a call whose output is
+    the next checkpointed call's argument frees it as its own and the next one holds it."""
     reads = timeline.reads
     if reads is None or not len(rows):
         return
@@ -396,7 +425,7 @@ def _hold_arguments(timeline: Timeline, free_key: np.ndarray, rows: np.ndarray,
     read = np.unique(np.concatenate([reads.rows[a:b] for a, b in zip(first, last) if b > a]))
     read = read[(timeline.alloc_key[read] < start)
                 & np.isin(timeline.category[read], _ARGUMENT_CATEGORIES)]
-    free_key[read] = np.maximum(free_key[read], until)
+    index.holds.append((read, until))
 
 
 def _checkpoint_call(timeline: Timeline, index: _Index, free_key: np.ndarray, added: list,
@@ -429,11 +458,20 @@ def _checkpoint_call(timeline: Timeline, index: _Index, free_key: np.ndarray, ad
     # in any case before its recompute begins (a region whose forward ends right before
     # backward, e.g. the whole model: its originals and their recomputed copies never
     # coexist); a tensor an op after the region reads is held there, not by the region
-    _hold_arguments(timeline, free_key, rows, start, float(free_key[saved].max()))
+    _hold_arguments(timeline, index, rows, start, float(free_key[saved].max()))
     dies_at = np.full(len(saved), end + 0.5)
     kept = np.zeros(len(saved), bool)
     if index.readers is not None:
-        dies_at, kept = index.readers.death(saved, timeline.alloc_key[saved], start, end)
+        dies_at, kept = index.readers.death(saved, timeline.alloc_key[saved], start, end,
+                                            index.checkpointed)
+        # one that ops after the call read but none of them saves (a last block's output
+        # read by a mean): the call's own op saved it, and it dies after its last reader
+        loose = np.flatnonzero(kept)
+        loose = loose[~index.saved_by_others(saved[loose], member | index.checkpointed)]
+        if len(loose) and index.backward_reads is not None:
+            dies_at[loose], _ = index.readers.death(
+                saved[loose], timeline.alloc_key[saved[loose]], start, float(timeline.n_events))
+            kept[loose] = False
     free_key[saved] = np.where(kept, free_key[saved],
                                np.minimum(dies_at, squeeze(start - 0.75)))
     copies = {name: getattr(timeline, name)[replay] for name in _ROW_FIELDS}
