@@ -10,10 +10,11 @@ For each checkpointed region (a module path and its submodules; '' is the whole 
   alive when the region's backward starts) are no longer kept: where the trace records
   data flow (format 3), each dies once the last op of the call that reads it has run
   (``_ForwardReaders``; one nothing reads, e.g. a normalisation's saved statistics or a
-  dropout mask, when the op that made it returns), else when the call ends; one that an
-  op after the call reads (its output, saved downstream) keeps its lifetime.  The call's
-  arguments (rows made before it that its ops read) live until its backward is done:
-  checkpoint keeps them to recompute from;
+  dropout mask, when the op that made it returns), else when the call ends.  One that
+  an op after the call reads (its output) keeps its lifetime where an op outside the
+  checkpointed calls saves it, else dies after its last reader; the call's arguments
+  (rows made before it that its ops read) live until its backward is done: checkpoint
+  keeps them to recompute from (so the next checkpointed block holds a block's output);
 * backward: the call's forward is replayed (activations and temporaries, in their order)
   up to the last saved tensor (non-reentrant checkpoint stops recomputing early there):
   the region's last call just before the region's first backward allocation, an earlier
