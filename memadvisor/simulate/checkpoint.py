@@ -298,7 +298,7 @@ def _checkpoint_region(timeline: Timeline, index: _Index, free_key: np.ndarray,
         # backward runs the calls last first; each call is recomputed when its first
         # saved tensor is unpacked, and lets go of its generator state once its backward
         # is done: when the call before it is recomputed
-        todo, later_frees = [], None
+        todo, later_frees, later_reads = [], None, None
         for call in reversed(calls):
             start, end = int(call[0]), int(call[-1])
             saved = _saved_rows(timeline, index, free_key, member, start, end, backward_start)
@@ -306,6 +306,10 @@ def _checkpoint_region(timeline: Timeline, index: _Index, free_key: np.ndarray,
                 continue
             reads = index.backward_reads_of(saved, member, backward_start - 1)
             reads = reads[reads < pass_end]
+            if todo and later_reads is not None:
+                # a tensor handed to the later call (its argument) is read by that call's
+                # backward too, which is over before this call's begins
+                reads = reads[reads > later_reads]
             if not todo:  # the last call: before the region's first backward allocation
                 recompute_at = backward_start
             elif len(reads):  # an earlier one: where its backward reads its first one
@@ -314,6 +318,7 @@ def _checkpoint_region(timeline: Timeline, index: _Index, free_key: np.ndarray,
                 recompute_at = _recompute_at(free_key[saved], later_frees, in_backward,
                                              backward_start)
             later_frees = free_key[saved].copy()
+            later_reads = float(reads.max()) if len(reads) else None
             todo.append((start, end, saved, recompute_at))
         for i, (start, end, saved, recompute_at) in enumerate(todo):
             state_until = (todo[i + 1][3] - 0.5 if i + 1 < len(todo)
