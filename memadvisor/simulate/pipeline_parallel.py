@@ -35,6 +35,10 @@ timeline after the batch split (micro-batch B / M):
   receives, plus the input gradient it sends back; a stage before the last holds M buffers
   for the output gradients it receives.
 
+Under ``shard=zero2|zero3`` (D replicas of the pipeline) the model state above is the
+stage's 1/D shard, and FSDP's gathered parameters and buffers are the stage's own: its
+blocks and the root, per micro-batch (``pipeline_sharding.py``).
+
 Under ``schedule=interleaved`` the stack is cut into P x V stages and rank r holds stages
 r, r + P, ... (torch's placement); each stage's rows are taken as above, and the rank's
 peak is found at every backward of torch's order (``pipeline_schedule.py``): that stage's
@@ -58,7 +62,7 @@ import numpy as np
 
 from ..plan import Plan, PlanError, pipeline_stage_ranges
 from ..trace import schema
-from . import pipeline_schedule
+from . import pipeline_schedule, pipeline_sharding
 from .accumulation import accumulated_peak
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
@@ -112,6 +116,9 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         raise PlanError(f"pp={plan.pp} found no repeated blocks (a ModuleList or Sequential "
                         "of same-class modules) in the trace's module tree to cut into stages")
     timeline = _without_ddp_bucket(timeline, plan)
+    fsdp = plan.shard in ("zero2", "zero3") and plan.shard_group_size > 1
+    if fsdp:  # made again per stage below (pipeline_sharding.py)
+        timeline, copies = pipeline_sharding.without_sharding_rows(timeline)
     ranges = stage_ranges(len(blocks), plan.pipeline_stages)
     block = _block_of_rows(timeline, blocks)
     outside = block < 0
@@ -153,9 +160,11 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     virtual = plan.pipeline_stages_per_rank
     micro_batches = plan.pipeline_microbatches
 
-    def stage_terms(stage: int, held: float) -> dict:
+    def stage_terms(stage: int, held: float, collectives_held: bool = False) -> dict:
         """One stage's rows on the rank's timeline: its one micro-step, M accumulated, its
-        saved activations and the gradients it makes (per micro-batch)."""
+        saved activations and the gradients it makes (per micro-batch).
+        ``collectives_held``: FSDP's buffers held by gloo's worker until the next
+        collective (pipeline_sharding.py)."""
         owned = ranges[stage]
         mine = np.isin(block, list(owned))
         keep = mine | (outside & ~pre & ~post)
@@ -168,6 +177,11 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         sizes = np.where(keep, timeline.size, 0.0)
         sizes = np.where(state_rows, timeline.size * held, sizes)
         local = (last_timeline if stage == num_stages - 1 else timeline).resized(sizes)
+        if fsdp:
+            local = local.appended(pipeline_sharding.stage_rows(
+                timeline, plan.shard, plan.shard_group_size, blocks, list(owned),
+                block_parameter_fraction, {**copies, "held_until_next": collectives_held},
+                stage == num_stages - 1))
         own_gradients = (timeline.category == _GRADIENT) & made_in_step & (
             mine | (pre if stage == 0 else False) | (tied if stage == num_stages - 1
                                                      else False))
@@ -181,10 +195,6 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         mine_stages = list(range(rank, num_stages, plan.pp))  # torch's loop placement
         held = outside_share + sum(block_share[i] for g in mine_stages for i in ranges[g])
         terms = [stage_terms(g, held) for g in mine_stages]
-        # at each backward torch's order runs on this rank: that stage's micro-step (the
-        # first: no gradients of it yet; a later one: M micro-steps' accumulated), beside
-        # the saved activations of every micro-batch in flight on the rank's stages and the
-        # gradients of its stages whose backward already ran
         actions = pipeline_schedule.rank_actions(plan.schedule, plan.pp, virtual,
                                                  micro_batches, rank)
         # torch's runtime for several stages per rank (_PipelineScheduleRuntime) waits on
@@ -193,17 +203,15 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         # backward (Schedule1F1B / ScheduleGPipe wait on them as they go)
         sends_per_backward = [(g < num_stages - 1) + (g > 0) if virtual > 1 else 0
                               for g in mine_stages]
-        peak, at_peak = -1.0, None
-        for local, in_flight, done in pipeline_schedule.in_flight_at_backwards(
-                actions, virtual):
-            base = terms[local]["accumulated" if done[local] else "one"].bytes
-            value = (base - terms[local]["saved"]
-                     + sum(n * t["saved"] for n, t in zip(in_flight, terms))
-                     + sum(terms[c]["gradients"] for c, n in enumerate(done)
-                           if n and c != local)
-                     + stream_bytes * sum(n * k for n, k in zip(done, sends_per_backward)))
-            if value > peak:
-                peak, at_peak = value, in_flight
+        peak, at_peak = _peak_over_backwards(terms, actions, virtual, sends_per_backward,
+                                             stream_bytes)
+        # gloo's worker may hold FSDP's buffers to the next collective (a race: measured
+        # runs land on either figure, rank by rank)
+        if fsdp and copies.get("held_until_next"):
+            late, _ = _peak_over_backwards([stage_terms(g, held, True) for g in mine_stages],
+                                           actions, virtual, sends_per_backward, stream_bytes)
+        else:
+            late = None
         receive = sum(stream_bytes * (micro_batches + 1) for g in mine_stages if g > 0)
         send_grad = sum(stream_bytes * micro_batches for g in mine_stages
                         if g < num_stages - 1)
@@ -217,18 +225,43 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
                                              if virtual == 1 else max(at_peak)),
                  "p2p_buffer_bytes": int(round(receive + send_grad)),
                  "parameter_share": held, "by_category": terms[0]["one"].by_category}
+        if late is not None:
+            entry["peak_bytes_if_collectives_held"] = int(round(late + receive + send_grad))
         if virtual > 1:
             entry.update({"stages": mine_stages,
                           "stage_blocks": [[c.start, c.stop - 1] for c in chunks],
                           "in_flight_at_peak": list(at_peak)})
         stages.append(entry)
     worst = max(stages, key=lambda s: s["peak_bytes"])
-    return {"stages": stages, "worst_stage": worst["stage"], "peak_bytes": worst["peak_bytes"],
+    held_peaks = [s["peak_bytes_if_collectives_held"] for s in stages
+                  if "peak_bytes_if_collectives_held" in s]
+    return {**({"peak_bytes_if_collectives_held": max(held_peaks)} if held_peaks else {}),"stages": stages, "worst_stage": worst["stage"], "peak_bytes": worst["peak_bytes"],
             "schedule": plan.schedule, "microbatches": plan.pipeline_microbatches,
             "bubble_fraction": bubble_fraction(plan), "stream_bytes": int(round(stream_bytes)),
             "script_held_output_bytes": int(round(held_output_bytes)),
             "tied_gradient_bytes": int(round(float(
                 timeline.size[tied & (timeline.alloc_key >= 0)].sum())))}
+
+
+def _peak_over_backwards(terms: list[dict], actions, virtual: int,
+                         sends_per_backward: list[int], stream_bytes: float
+                         ) -> tuple[float, list[int] | None]:
+    """The rank's peak over every backward of torch's order (``actions``) and the
+    micro-batches in flight per stage there: that stage's micro-step (the first: no
+    gradients of it yet; a later one: M micro-steps' accumulated), beside the saved
+    activations of every micro-batch in flight on the rank's stages, the gradients of its
+    stages whose backward already ran and the sends kept until the step ends."""
+    peak, at_peak = -1.0, None
+    for local, in_flight, done in pipeline_schedule.in_flight_at_backwards(actions, virtual):
+        base = terms[local]["accumulated" if done[local] else "one"].bytes
+        value = (base - terms[local]["saved"]
+                 + sum(n * t["saved"] for n, t in zip(in_flight, terms))
+                 + sum(terms[c]["gradients"] for c, n in enumerate(done)
+                       if n and c != local)
+                 + stream_bytes * sum(n * k for n, k in zip(done, sends_per_backward)))
+        if value > peak:
+            peak, at_peak = value, in_flight
+    return peak, at_peak
 
 
 def _without_ddp_bucket(timeline: Timeline, plan: Plan) -> Timeline:
