@@ -16,8 +16,8 @@ Two changes make the release deterministic:
   the next, so once a later work on the group has completed, every earlier one is gone;
 * after each ``wait()`` of a collective (``Work.wait`` from Python: FSDP2 and ``dist.*``;
   ``_c10d_functional.wait_tensor``: DTensor's tensor parallelism) the rank runs a
-  one-byte all-reduce on each such group ("drains" it; the byte is kept, so the drain
-  allocates nothing).  When it completes, the worker has let go of everything before it:
+  all-reduce of an empty tensor on each such group ("drains" it; the tensor is kept, so
+  the drain allocates nothing).  When it completes, the worker has let go of everything before it:
   the buffers die when the main thread drops its own reference, at the same point in
   every run.
 
@@ -39,7 +39,7 @@ _drain_installed = False
 _original_wait = None
 #: the library that holds the AutogradCPU kernel of ``wait_tensor`` (kept alive)
 _functional_library = None
-#: group name -> the byte each drain all-reduces (zero: the sum stays zero)
+#: group name -> the empty tensor each drain all-reduces
 _drain_tensors: dict[str, torch.Tensor] = {}
 #: drains run so far (tests read it; a count, not a timing)
 drains = 0
@@ -118,7 +118,8 @@ def one_worker_groups() -> list:
 def drain() -> None:
     """Wait until every one-worker gloo group's thread has finished what came before.
 
-    The drain is an all-reduce of one byte kept for it, not a ``barrier``: gloo's barrier
+    The drain is an all-reduce of an empty tensor kept for it (it still goes through the
+    group's work queue, behind what came before), not a ``barrier``: gloo's barrier
     holds weak references to the works before it, and a c10d work that is still weakly
     referenced keeps its tensors until that reference goes (intrusive_ptr destroys the
     object only when the weak count reaches zero), which the worker thread does late."""
@@ -130,7 +131,7 @@ def drain() -> None:
         for group, backend in one_worker_groups():
             flag = _drain_tensors.get(group.group_name)
             if flag is None:  # a group made after install_drain
-                flag = _drain_tensors[group.group_name] = torch.zeros(1, dtype=torch.uint8)
+                flag = _drain_tensors[group.group_name] = torch.zeros(0, dtype=torch.uint8)
             _original_wait(backend.allreduce([flag]))
         drains += 1
     finally:
@@ -147,8 +148,8 @@ def install_drain() -> bool:
         groups = one_worker_groups()
         if not groups:
             return False
-        for group, _ in groups:  # before the steps: the one byte each is part of the setup
-            _drain_tensors[group.group_name] = torch.zeros(1, dtype=torch.uint8)
+        for group, _ in groups:
+            _drain_tensors[group.group_name] = torch.zeros(0, dtype=torch.uint8)
         work_class = torch._C._distributed_c10d.Work
         _original_wait = work_class.wait
         point_to_point = _point_to_point_types()

@@ -318,14 +318,15 @@ def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_tot
     * a backend that copies (gloo, ``copies``) adds raw blocks of the buffer's size: one
       at a time per all-gather (made and freed inside the collective), one per
       reduce-scatter (its input cloned, all-reduced, the rank's chunk copied out);
-    * where the backend's worker thread holds what a collective used (gloo:
-      ``copies['held_until_next']``), the reduce-scatter's clone and an all-gather's
-      output buffer can outlive the collective until the worker thread runs again, at
-      the latest when the rank's next collective blocks its main thread.  Modelled at that
-      latest point (the prediction must not fall short): the clone lives until the next
-      collective (the step's last one until the backward's end: not into the optimizer
-      step); an all-gather buffer until FSDP frees it or the next collective, whichever
-      is later.
+    * where the backend's worker thread may hold what a collective used
+      (``copies['held_until_next']``: gloo on a group ``apply`` did not make, since
+      ``apply`` drains its own after each collective, apply/gloo_release.py), the
+      reduce-scatter's clone and an all-gather's output buffer can outlive the
+      collective until the worker thread runs again, at the latest when the rank's next
+      collective blocks its main thread.  Modelled at that latest point: the clone lives
+      until the next collective (the step's last one until the backward's end: not into
+      the optimizer step); an all-gather buffer until FSDP frees it or the next
+      collective, whichever is later.  Without it, each dies with its collective.
     """
     forward, backward = _phase_span(timeline, _FORWARD), _phase_span(timeline, _BACKWARD)
     root_bytes = param_total - sum(u.parameter_bytes for u in units)

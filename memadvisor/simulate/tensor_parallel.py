@@ -61,7 +61,8 @@ _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::li
 def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules,
                           copies: dict | None = None) -> tuple[Timeline, dict]:
     """The per-rank timeline under ``plan.tp`` and notes (what was split, the bytes each
-    rank all-reduces per micro-step).  ``copies['held_until_next']`` (gloo): an all-gather's
+    rank all-reduces per micro-step).  ``copies['held_until_next']`` (gloo on a group
+    ``apply`` did not make; apply drains its own, apply/gloo_release.py): an all-gather's
     input and output outlive it until the rank's next collective (``held_until``)."""
     if plan.tp < 2:
         return timeline, {}
@@ -256,8 +257,8 @@ def _collective_keys(timeline: Timeline, partial: np.ndarray, vocabulary, styles
 
 
 def held_until(collective_keys: np.ndarray, key: float) -> float | None:
-    """gloo: what a collective at ``key`` used is freed by its worker thread, which a
-    busy main thread can leave unscheduled until the rank's next collective (measured:
+    """gloo without apply's drain: what a collective at ``key`` used is freed by its
+    worker thread, which can stay unscheduled until the rank's next collective (measured:
     gpt_lm ``tp=2`` rank 0 frees the head's gathered logits after the backward's first
     all-reduce, rank 1 at once).  Just after that next collective's copy is made; None
     where no collective follows in the step."""
