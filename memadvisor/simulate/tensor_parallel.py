@@ -26,7 +26,9 @@ columns.  Per rank, on the one micro-step timeline (after the batch split):
   column-parallel Linear keeps a whole copy of its gathered input for its backward
   (PyTorch's ColwiseParallel gathers per Linear); a block left whole keeps its gathered
   input too.  Against ``apply --profile``: +2.8% / +5.7% (llama_decoder, rank 0 / 1; gloo
-  frees one all-gather output late on one rank) and +3.6% (gpt_lm).
+  frees one all-gather output late on one rank) and +3.6% (gpt_lm); since apply drains
+  gloo (apply/gloo_release.py) every run measures the prompt figure, predicted to -0.00%
+  on both ranks of both (tp=2 and tp=2,sp, 5 runs each, 2026-11-26).
 
 Communication (for the step time): per micro-step, one all-reduce of each row-parallel
 output in forward and of each column-parallel input gradient in backward (PyTorch's
