@@ -47,3 +47,22 @@ def test_drained_fsdp_plans_train_as_the_unmodified_run(tmp_path, runs):
     results = {(script.name, plan): p for (script, plan, _), p in zip(jobs, params)}
     errors = check(results, runs)
     assert len(errors) == len(jobs)
+
+
+@pytest.mark.slow
+def test_drained_tensor_parallel_plans_train_as_the_unmodified_run(tmp_path):
+    """DTensor's functional collectives waited through the drained ``wait_tensor``: held
+    as ``test_tensor_parallel.py`` holds the same plans on torch's gloo."""
+    from apply_runs import relative_error, run_original, same_math_error
+    from memadvisor.plan import Plan
+
+    gpt, llama = REPO / "examples" / "gpt_lm.py", REPO / "zoo" / "llama_decoder.py"
+    gpt_args = ["--steps", "3", "--batch-size", "8", "--log-every", "100"]
+    jobs = [(gpt, "tp=2,world=2", gpt_args), (llama, "tp=2,world=2", []),
+            (gpt, "tp=2,world=2,sp", gpt_args)]
+    results = run_one_worker_jobs(jobs, 2, tmp_path)
+    for (script, plan, args), params in zip(jobs, results):
+        original = run_original(script, args)
+        parts = Plan.parse(plan).tp * Plan.parse(plan).data_parallel_size
+        error = same_math_error(params, original, parts)
+        assert error <= 1, (script.name, plan, relative_error(params, original))
