@@ -395,11 +395,13 @@ def saved_inplace_copies(timeline: Timeline, low_now: np.ndarray) -> np.ndarray:
     its input before overwriting it (``silu_``, ``hardswish_``: their backward needs the
     input), taken inside the op, so no tensor names it: it is as large as that input, the
     latest forward tensor of its size made before it, and 16-bit where that one became
-    16-bit."""
+    16-bit.  A checkpointed region's recompute (activations made in backward) makes the
+    same copies of the tensors it recomputes."""
     out = np.zeros(len(timeline), bool)
-    forward = (timeline.phase == _FORWARD) & (timeline.alloc_key >= 0)
+    activation = timeline.category_mask(schema.ACTIVATION)
+    forward = ((timeline.phase == _FORWARD) | activation) & (timeline.alloc_key >= 0)
     raw = np.flatnonzero(forward & timeline.dtype_in((schema.RAW_BYTES_DTYPE,))
-                         & timeline.category_mask(schema.ACTIVATION) & (timeline.size > 0))
+                         & activation & (timeline.size > 0))
     if not len(raw):
         return out
     typed = np.flatnonzero(forward & ~timeline.dtype_in((schema.RAW_BYTES_DTYPE,)))
