@@ -32,8 +32,10 @@ timeline after the batch split (micro-batch B / M):
   parameter: the trace's data flow says so);
 * P2P buffers (torch 2.13's ``PipelineStage`` makes one receive buffer per micro-batch and
   keeps them across steps): a stage after the first holds M buffers of the stream it
-  receives, plus the input gradient it sends back; a stage before the last holds M buffers
-  for the output gradients it receives.
+  receives, plus (1f1b, gpipe) the input gradient it sent back last; a stage before the
+  last holds M buffers for the output gradients it receives;
+* the gradient of a stage's output, from which a stage before the last runs its backward:
+  the unmodified trace has it among the next block's rows, so no stage's rows hold it.
 
 Under ``shard=zero2|zero3`` (D replicas of the pipeline) the model state above is the
 stage's 1/D shard, and FSDP's gathered parameters and buffers are the stage's own: its
@@ -203,16 +205,23 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         # backward (Schedule1F1B / ScheduleGPipe wait on them as they go)
         sends_per_backward = [(g < num_stages - 1) + (g > 0) if virtual > 1 else 0
                               for g in mine_stages]
+        # a stage before the last runs its backward from the gradient of its output, which
+        # the unmodified trace has among the next block's rows (no stage's here)
+        output_gradient = [stream_bytes if g < num_stages - 1 else 0.0 for g in mine_stages]
         peak, at_peak = _peak_over_backwards(terms, actions, virtual, sends_per_backward,
-                                             stream_bytes)
+                                             stream_bytes, output_gradient)
         # gloo's worker may hold FSDP's buffers to the next collective (a race: measured
         # runs land on either figure, rank by rank)
         if fsdp and copies.get("held_until_next"):
             late, _ = _peak_over_backwards([stage_terms(g, held, True) for g in mine_stages],
-                                           actions, virtual, sends_per_backward, stream_bytes)
+                                           actions, virtual, sends_per_backward, stream_bytes,
+                                           output_gradient)
         else:
             late = None
-        receive = sum(stream_bytes * (micro_batches + 1) for g in mine_stages if g > 0)
+        # a stage after the first: M receive buffers and, under 1f1b/gpipe, the input
+        # gradient it sent back last (interleaved: among the sends held above)
+        receive = sum(stream_bytes * (micro_batches + (virtual == 1)) for g in mine_stages
+                      if g > 0)
         send_grad = sum(stream_bytes * micro_batches for g in mine_stages
                         if g < num_stages - 1)
         peak += receive + send_grad
@@ -244,13 +253,14 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
 
 
 def _peak_over_backwards(terms: list[dict], actions, virtual: int,
-                         sends_per_backward: list[int], stream_bytes: float
-                         ) -> tuple[float, list[int] | None]:
+                         sends_per_backward: list[int], stream_bytes: float,
+                         output_gradient: list[float]) -> tuple[float, list[int] | None]:
     """The rank's peak over every backward of torch's order (``actions``) and the
     micro-batches in flight per stage there: that stage's micro-step (the first: no
     gradients of it yet; a later one: M micro-steps' accumulated), beside the saved
     activations of every micro-batch in flight on the rank's stages, the gradients of its
-    stages whose backward already ran and the sends kept until the step ends."""
+    stages whose backward already ran, the sends kept until the step ends and the gradient
+    of the running stage's output."""
     peak, at_peak = -1.0, None
     for local, in_flight, done in pipeline_schedule.in_flight_at_backwards(actions, virtual):
         base = terms[local]["accumulated" if done[local] else "one"].bytes
@@ -258,7 +268,8 @@ def _peak_over_backwards(terms: list[dict], actions, virtual: int,
                  + sum(n * t["saved"] for n, t in zip(in_flight, terms))
                  + sum(terms[c]["gradients"] for c, n in enumerate(done)
                        if n and c != local)
-                 + stream_bytes * sum(n * k for n, k in zip(done, sends_per_backward)))
+                 + stream_bytes * sum(n * k for n, k in zip(done, sends_per_backward))
+                 + output_gradient[local])
         if value > peak:
             peak, at_peak = value, in_flight
     return peak, at_peak

@@ -227,3 +227,22 @@ def test_pp_with_ddp_predicts_each_replica_as_a_pipeline_on_its_slice(gpt):
     assert both.micro_batch_size == 2  # 8 samples / (2 replicas x 2 micro-batches)
     assert [s["peak_bytes"] for s in both.notes["pipeline_parallel"]["stages"]] == \
         [s["peak_bytes"] for s in alone.notes["pipeline_parallel"]["stages"]]
+
+
+def test_interleaved_p2p_buffers_and_the_gradient_of_a_stage_output(gpt4):
+    """Under interleaved every input gradient a stage sent back is among the sends held to
+    the step's end: the receive side is M buffers per stage after the first (1f1b/gpipe add
+    the input gradient sent back last); a stage before the last runs its backward from the
+    gradient of its output (one stream), which no stage's rows hold."""
+    trace, _ = gpt4
+    base = prepare(trace)
+    notes = simulate(base, Plan.parse("pp=2,schedule=interleaved")).notes["pipeline_parallel"]
+    stream = notes["stream_bytes"]
+    rank0, rank1 = notes["stages"]
+    # rank 0: stage 2 receives M; stages 0 and 2 receive M output gradients each
+    assert rank0["p2p_buffer_bytes"] == 3 * 2 * stream
+    # rank 1: stages 1 and 3 receive M each; stage 1 receives M output gradients
+    assert rank1["p2p_buffer_bytes"] == 3 * 2 * stream
+    one_f = simulate(base, Plan.parse("pp=2")).notes["pipeline_parallel"]["stages"]
+    assert one_f[0]["p2p_buffer_bytes"] == 2 * stream
+    assert one_f[1]["p2p_buffer_bytes"] == (2 + 1) * stream
