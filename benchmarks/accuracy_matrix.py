@@ -149,7 +149,7 @@ def example_cases(folder: str, examples=None, plans=None, fsdp_runs: int = 1):
                 how += (f" (FSDP2, gloo): highest of {len(peaks)} runs; lowest "
                         f"{min(peaks):,} ({(min(peaks) - max(peaks)) / max(peaks):+.1%})")
             if fsdp:
-                prompt = prediction.notes["peak_bytes_if_collectives_free_at_once"]
+                prompt = prediction.notes.get("peak_bytes_if_collectives_free_at_once", predicted)
                 # the race's outcomes span [on time, late] (a run can have some buffers late
                 # and others not): each run against that predicted range
                 low, high = min(prompt, predicted), max(prompt, predicted)

@@ -157,8 +157,9 @@ DEVICE_RULES = {
         "dropout_mask_itemsize": 4,  #: bernoulli float mask on CPU
         "fp16_autocast": False,
         #: gloo's all-gather / reduce-scatter copy their buffers (raw blocks seen on CPU);
-        #: its worker thread can hold what a collective used until the rank's next one
-        "collective_copies": {"all_gather": 1, "reduce_scatter": 1, "held_until_next": True},
+        #: its worker thread could hold what a collective used until the rank's next one,
+        #: but apply drains it after each collective (apply/gloo_release.py): not held
+        "collective_copies": {"all_gather": 1, "reduce_scatter": 1, "held_until_next": False},
         #: oneDNN's bf16 matmul allocates a scratch block per call (fp32 gemm: none);
         #: sized by the trace's probes (meta.probes['linear']), else by this formula
         #: fitted to torch 2.13's CPU traces (kernel_blocks.matmul_scratch_bytes)

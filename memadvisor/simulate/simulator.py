@@ -341,9 +341,9 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
     copies = device_rules(hw.device_type)["collective_copies"]
     if cache is None and (plan.shard in FSDP_SHARDS or plan.tp > 1) and copies.get(
             "held_until_next"):
-        # gloo's worker thread frees what a collective used at once or, scheduled late,
-        # around the next collective: a race.  ``peak_bytes`` is the late outcome; say
-        # what a run where the thread is on time measures too
+        # a backend whose worker thread frees what a collective used at once or, scheduled
+        # late, around the next collective (gloo without apply's drain): a race.
+        # ``peak_bytes`` is the late outcome; say what a prompt run measures too
         prompt, *_ = transform(base, plan, hw, micro_batch, None,
                                {**copies, "held_until_next": False})
         notes["peak_bytes_if_collectives_free_at_once"] = accumulated_peak(
