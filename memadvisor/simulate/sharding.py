@@ -60,28 +60,49 @@ def greedy_max_share(sizes: np.ndarray, ranks: int) -> float:
     return float(loads.max()) if ranks else 0.0
 
 
-_SPANS: dict = {}  #: (id of the step's event arrays, blocks) -> spans (they never change)
+_SPANS: dict = {}  #: (id of the step's event arrays, blocks, window) -> spans (never change)
+
+#: a window of the step's event axis: [first event, end)
+Window = tuple[int, int]
 
 
-def _units(timeline: Timeline, blocks: list[str], block_bytes: dict[str, float]) -> list[Unit]:
-    key = (id(timeline.event_module), timeline.n_events, tuple(blocks))
+def passes(timeline: Timeline) -> list[Window]:
+    """The step's forward-and-backward passes: a script that accumulates gradients itself
+    runs several per optimizer step, and FSDP2 gathers, reshards and reduce-scatters in
+    each.  A pass starts at a forward event that follows a backward one (the first at the
+    step's start) and ends where the next starts (the last at the step's end)."""
+    phase = timeline.event_phase
+    marked = np.flatnonzero((phase == _FORWARD) | (phase == _BACKWARD))
+    kinds = phase[marked]
+    starts = [0] + marked[1:][(kinds[1:] == _FORWARD) & (kinds[:-1] == _BACKWARD)].tolist()
+    bounds = starts + [timeline.n_events]
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _units(timeline: Timeline, blocks: list[str], block_bytes: dict[str, float],
+           window: Window | None = None) -> list[Unit]:
+    key = (id(timeline.event_module), timeline.n_events, tuple(blocks), window)
     spans = _SPANS.get(key)
     if spans is None:
-        spans = _spans(timeline, blocks)
+        spans = _spans(timeline, blocks, window)
         if len(_SPANS) > 16:
             _SPANS.clear()
         _SPANS[key] = spans
     return [Unit(path, block_bytes.get(path, 0.0), fwd, bwd) for path, fwd, bwd in spans]
 
 
-def _spans(timeline: Timeline, blocks: list[str]) -> list[tuple]:
+def _spans(timeline: Timeline, blocks: list[str], window: Window | None = None) -> list[tuple]:
     modules = timeline.modules
-    allocs = timeline.event_is_alloc
+    allocs = timeline.event_is_alloc.copy()
+    if window is not None:
+        allocs[:window[0]] = False
+        allocs[window[1]:] = False
     # each event's module -> the block containing it (-1: none)
     block_of_module = last_containing(modules, blocks)
     event_block = np.where(allocs, block_of_module[timeline.event_module], -1)
     alloc_events = np.flatnonzero(allocs)
-    phase_last = {phase: _phase_span(timeline, phase)[1] for phase in (_FORWARD, _BACKWARD)}
+    phase_last = {phase: _phase_span(timeline, phase, window)[1]
+                  for phase in (_FORWARD, _BACKWARD)}
 
     def end(last: int, phase: int) -> float:
         # the unit's work ends with the frees after its last allocation (its temporaries,
@@ -110,8 +131,11 @@ def _spans(timeline: Timeline, blocks: list[str]) -> list[tuple]:
     return spans
 
 
-def _phase_span(timeline: Timeline, phase: int) -> tuple[float, float]:
+def _phase_span(timeline: Timeline, phase: int,
+                window: Window | None = None) -> tuple[float, float]:
     events = np.flatnonzero(timeline.event_phase == phase)
+    if window is not None:
+        events = events[(events >= window[0]) & (events < window[1])]
     if not len(events):
         return (0.0, 0.0)
     return float(events[0]), float(events[-1])
@@ -211,9 +235,13 @@ def shard_additions(timeline: Timeline, shard: str, blocks: list[str],
         notes["ddp_bucket_bytes"] = grad_bytes_total
     elif shard in ("zero2", "zero3"):
         param_total = float(timeline.size[param].sum())
-        units = _units(timeline, blocks, {b: f * param_total
-                                          for b, f in block_parameter_fraction.items()})
-        _fsdp_rows(add, timeline, shard, units, param_total, copies or {})
+        block_bytes = {b: f * param_total for b, f in block_parameter_fraction.items()}
+        windows = passes(timeline)
+        for window in windows:  # FSDP's hooks run in each forward and backward
+            units = _units(timeline, blocks, block_bytes,
+                           window if len(windows) > 1 else None)
+            _fsdp_rows(add, timeline, shard, units, param_total, copies or {},
+                       window if len(windows) > 1 else None)
         notes["units"] = [u.path for u in units] + ["(root)"]
     rows = {"size": np.asarray(additions["size"], float),
             "alloc_key": np.asarray(additions["alloc_key"], float),
@@ -241,10 +269,11 @@ _RESHARD, _PREVIOUS_SCATTER, _SCATTER, _UNSHARDED_GRAD_FREE, _SHARDED_GRAD, _SCA
     0.01, 0.02, 0.03, 0.04, 0.05, 0.06)
 
 
-def _post_backward_keys(timeline: Timeline, blocks: list[str]) -> tuple[list[float], float]:
+def _post_backward_keys(timeline: Timeline, blocks: list[str],
+                        window: Window | None = None) -> tuple[list[float], float]:
     """Post-backward key of each unit with spans (``_units`` order) and of the root."""
-    spans = _units(timeline, blocks, {})
-    backward = _phase_span(timeline, _BACKWARD)
+    spans = _units(timeline, blocks, {}, window)
+    backward = _phase_span(timeline, _BACKWARD, window)
     return ([u.backward[1] + _UNIT_POST_BACKWARD for u in spans],
             backward[1] + _ROOT_POST_BACKWARD)
 
@@ -259,13 +288,26 @@ def fsdp_layout(timeline: Timeline, blocks: list[str]) -> Timeline:
                           & (timeline.alloc_key >= 0) & (timeline.size > 0))
     if not len(grad) or not _phase_span(timeline, _BACKWARD)[1]:
         return timeline
-    unit_keys, root_key = _post_backward_keys(timeline, blocks)
-    spans = [u.path for u in _units(timeline, blocks, {})]
-    unit_of_module = last_containing(timeline.modules, spans)
-    keys = np.append(np.asarray(unit_keys, float), root_key)
-    post = keys[unit_of_module[timeline.module[grad]]]  # -1 -> the root's key
+    windows = passes(timeline)
+    post = np.full(len(grad), np.nan)
+    root = np.full(len(grad), np.nan)
+    for window in windows:  # a gradient made in a pass is reduced at that pass's end
+        here = (timeline.alloc_key[grad] >= window[0]) & (timeline.alloc_key[grad] < window[1])
+        if len(windows) == 1:
+            here[:] = True
+        if not here.any():
+            continue
+        window_or_step = window if len(windows) > 1 else None
+        unit_keys, root_key = _post_backward_keys(timeline, blocks, window_or_step)
+        spans = [u.path for u in _units(timeline, blocks, {}, window_or_step)]
+        unit_of_module = last_containing(timeline.modules, spans)
+        keys = np.append(np.asarray(unit_keys, float), root_key)
+        post[here] = keys[unit_of_module[timeline.module[grad[here]]]]  # -1 -> the root's
+        root[here] = root_key
+    ok = ~np.isnan(post)
+    grad, post, root = grad[ok], post[ok], root[ok]
     # a gradient made after its unit's reduce-scatter (module attribution off): the root's
-    post = np.where(post > timeline.alloc_key[grad], post, root_key)
+    post = np.where(post > timeline.alloc_key[grad], post, root)
     ok = post > timeline.alloc_key[grad]
     grad, post = grad[ok], post[ok]
     if not len(grad):
@@ -283,10 +325,13 @@ def fsdp_layout(timeline: Timeline, blocks: list[str]) -> Timeline:
         "shape": timeline.shape[grad]})
 
 
-def _earliest_backward_rows(timeline: Timeline, paths: list[str]) -> np.ndarray:
+def _earliest_backward_rows(timeline: Timeline, paths: list[str],
+                            window: Window | None = None) -> np.ndarray:
     """Earliest allocation key of a backward row (a recomputed one included) of each unit
-    in ``paths`` and, last, of any module (inf where none)."""
+    in ``paths`` and, last, of any module (inf where none), in ``window`` if given."""
     rows = (timeline.phase == _BACKWARD) & (timeline.alloc_key >= 0) & (timeline.size > 0)
+    if window is not None:
+        rows &= (timeline.alloc_key >= window[0]) & (timeline.alloc_key < window[1])
     keys = timeline.alloc_key
     out = np.full(len(paths) + 1, np.inf)
     if rows.any():
@@ -300,7 +345,7 @@ def _earliest_backward_rows(timeline: Timeline, paths: list[str]) -> np.ndarray:
 
 
 def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_total: float,
-               copies: dict) -> None:
+               copies: dict, window: Window | None = None) -> None:
     """FSDP2's gathered parameters and flat collective buffers, in the order its hooks run
     (as seen in traces of ``fully_shard`` on gloo; program order, so the same on NCCL):
 
@@ -328,7 +373,8 @@ def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_tot
       the optimizer step); an all-gather buffer until FSDP frees it or the next
       collective, whichever is later.  Without it, each dies with its collective.
     """
-    forward, backward = _phase_span(timeline, _FORWARD), _phase_span(timeline, _BACKWARD)
+    forward = _phase_span(timeline, _FORWARD, window)
+    backward = _phase_span(timeline, _BACKWARD, window)
     root_bytes = param_total - sum(u.parameter_bytes for u in units)
     grad_fraction = gradient_bytes(timeline) / max(param_total, 1.0)
     gather_copies = min(int(copies.get("all_gather", 0)), 1)
@@ -364,7 +410,7 @@ def _fsdp_rows(add, timeline: Timeline, shard: str, units: list[Unit], param_tot
         # A unit recomputed by a checkpoint before its backward (a region holding several
         # units) is gathered by its pre-forward in the recompute, in forward order.
         sequence = [order[0]] + order[:0:-1]
-        earliest = _earliest_backward_rows(timeline, [u.path for u in units])
+        earliest = _earliest_backward_rows(timeline, [u.path for u in units], window)
         root_base = min(backward[0] + _ROOT_PRE_BACKWARD, earliest[-1] - 30 * _EPS)
         bases = [root_base] + [
             min(max(first + _PRE_BACKWARD, root_base) + 10 * _EPS, early - 20 * _EPS)
