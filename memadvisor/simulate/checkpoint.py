@@ -154,15 +154,11 @@ class _ForwardReaders:
 
     @classmethod
     def of(cls, timeline: Timeline) -> "_ForwardReaders | None":
-        reads = timeline.reads
-        if reads is None or not len(reads.rows):
+        found = _reads_in_phase(timeline, _FORWARD)
+        if found is None:
             return None
-        reader = np.repeat(np.arange(len(reads.counts())), reads.counts())
-        forward = timeline.phase[reader] == _FORWARD
-        source, reader = reads.rows[forward], reader[forward]
-        order = np.argsort(source, kind="stable")
-        return cls(source[order], timeline.alloc_key[reader[order]], _op_ends(timeline),
-                   timeline.module[reader[order]])
+        source, reader_key, reader_module = found
+        return cls(source, reader_key, _op_ends(timeline), reader_module)
 
     def read_outside(self, rows: np.ndarray, member: np.ndarray, after: float) -> bool:
         """Whether an op of a module outside ``member`` reads one of ``rows`` after the
@@ -204,12 +200,18 @@ class _ForwardReaders:
 def _backward_reads(timeline: Timeline) -> tuple[np.ndarray, ...] | None:
     """(rows read in backward, sorted; the alloc key and the module of the op reading
     each)."""
+    return _reads_in_phase(timeline, _BACKWARD)
+
+
+def _reads_in_phase(timeline: Timeline, phase: int) -> tuple[np.ndarray, ...] | None:
+    """(rows read by ops of ``phase``, sorted; the alloc key and the module of the op
+    reading each); None without data flow."""
     reads = timeline.reads
     if reads is None or not len(reads.rows):
         return None
     reader = np.repeat(np.arange(len(reads.counts())), reads.counts())
-    backward = timeline.phase[reader] == _BACKWARD
-    source, reader = reads.rows[backward], reader[backward]
+    here = timeline.phase[reader] == phase
+    source, reader = reads.rows[here], reader[here]
     order = np.argsort(source, kind="stable")
     return source[order], timeline.alloc_key[reader[order]], timeline.module[reader[order]]
 
