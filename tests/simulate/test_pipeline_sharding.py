@@ -102,6 +102,9 @@ def test_pp_with_fsdp_predicted_per_rank_against_apply_profile(gpt4, shard):
         path = measured_path if rank == 0 else folder / f"{shard}.rank{rank}.trace"
         measured_trace = read_trace(str(path))
         measured = measured_trace.meta.steps[analysed_step(measured_trace)]["peak_bytes"]
-        predicted = stages[rank % 2]["peak_bytes"]
-        assert abs(predicted - measured) / measured <= TARGET, (shard, rank, predicted,
-                                                                measured)
+        # a pipeline's gloo groups are not drained: a run lands between the prompt figure
+        # (peak_bytes) and the one with gloo's worker holding buffers, rank by rank
+        low = stages[rank % 2]["peak_bytes"]
+        high = stages[rank % 2].get("peak_bytes_if_collectives_held", low)
+        assert low * (1 - TARGET) <= measured <= high * (1 + TARGET), (
+            shard, rank, low, high, measured)

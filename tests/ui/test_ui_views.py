@@ -152,7 +152,10 @@ def test_plan_table_is_ranked_and_matches_the_simulator(board, ui_model_trace):
     assert all(r["peak_bytes"] <= budget for r in fitting)
     # the same ranking as `memadvisor advise`, and each row what `simulate` predicts
     trace = read_trace(ui_model_trace)
-    base, hw = prepare(trace), hardware(None, trace.meta.device)
+    # the worker's baseline: the loop as apply rewrites it (where the zero_grad stays put,
+    # a zero2/zero3 prediction differs from prepare's by the gradients it keeps)
+    from memadvisor.verify import baseline_as_applied
+    base, hw = baseline_as_applied(trace), hardware(None, trace.meta.device)
     result = advise(base, hw, budget, 4)
     assert [r["plan"] for r in fitting] == [p.plan.to_compact() or "none" for p in result.ranked]
     for row in (rows[0], rows[-1]):
