@@ -404,11 +404,14 @@ def _tensor_parallel_problems(plan: Plan) -> Iterable[str]:
                "needs tp=2 or more")
     if not isinstance(tp, int) or tp < 2:
         return
-    if world % tp:
-        yield (f"tp={tp} must divide world={world}: each tensor-parallel group holds tp ranks "
-               f"(world={tp} for tensor parallelism alone)")
+    model_ranks = tp * plan.pp if isinstance(plan.pp, int) and plan.pp > 1 else tp
+    if world % model_ranks:
+        within = f"tp x pp = {model_ranks}" if model_ranks != tp else f"tp={tp}"
+        yield (f"{within} must divide world={world}: each tensor-parallel group holds tp ranks "
+               f"(world={model_ranks} for model parallelism alone)")
         return
-    if plan.shard in ("ddp", "zero1"):
+    if plan.shard == "zero1" or (plan.shard == "ddp" and plan.pp <= 1):
+        # a pipeline averages its stages' gradients itself (pipeline_data_parallel), no DDP
         yield (f"tp={tp} with shard={plan.shard} is not supported: DistributedDataParallel does "
                "not take DTensor parameters; use shard=zero2 or zero3 (FSDP over world/tp ranks)")
     if plan.hybrid is not None:
@@ -451,23 +454,27 @@ def _pipeline_problems(plan: Plan) -> Iterable[str]:
             yield (f"schedule=interleaved with pp={pp} runs max(1, M // P) = {rounds} rounds "
                    f"of micro-batches, which must divide microbatches={m}: use a multiple of "
                    f"{pp} or fewer than {2 * pp}")
-    if plan.tp > 1:
-        yield f"pp={pp} with tp={plan.tp} is not supported yet: use one of them"
+    if plan.tp > 1 and plan.sp:
+        yield (f"pp={pp} with tp={plan.tp},sp is not supported yet (a stage's stream would travel "
+               "cut along the sequence): drop sp, or pp")
+    model_ranks = pp * max(plan.tp, 1)  # one pipeline: P stages of tp ranks each
+    alone = f"pp x tp = {model_ranks}" if plan.tp > 1 else f"pp={pp}"
     if plan.shard not in ("none", "ddp", "zero2", "zero3") or plan.hybrid is not None:
         yield (f"pp={pp} with shard={plan.shard}{'' if plan.hybrid is None else ',hybrid'} is "
                f"not supported yet: a pipeline runs alone (world={pp}) or beside copies of "
                f"itself with shard=ddp|zero2|zero3 (world = pp x replicas)")
-    elif plan.shard != "none" and (plan.world % pp or plan.world == pp):
-        yield (f"pp={pp} with shard={plan.shard} runs world / pp pipelines side by side: world "
-               f"must be a multiple of {pp} with at least 2 of them (world={2 * pp}), got "
-               f"world={plan.world}")
+    elif plan.shard != "none" and (plan.world % model_ranks or plan.world == model_ranks):
+        yield (f"pp={pp} with shard={plan.shard} runs world / ({alone}) pipelines side by side: "
+               f"world must be a multiple of {model_ranks} with at least 2 of them "
+               f"(world={2 * model_ranks}), got world={plan.world}")
     elif plan.uses_fsdp and schedule == "interleaved":
         yield (f"pp={pp} with shard={plan.shard} and schedule=interleaved is not supported yet "
                "(FSDP's hooks would run on the blocks a rank's other stage passes through): "
                "use 1f1b or gpipe, or shard=ddp")
-    elif plan.shard == "none" and plan.world != pp:
-        yield (f"pp={pp} with world={plan.world}: a pipeline alone runs one stage per rank, "
-               f"so world must equal pp (several pipelines side by side: shard=ddp)")
+    elif plan.shard == "none" and plan.world != model_ranks:
+        yield (f"pp={pp} with world={plan.world}: a pipeline alone runs one stage per rank"
+               f"{' (per tensor-parallel rank)' if plan.tp > 1 else ''}, so world must equal "
+               f"{alone} (several pipelines side by side: shard=ddp)")
     if plan.accum > 1:
         yield (f"pp={pp} cuts the batch into pipeline micro-batches itself: write "
                f"microbatches={plan.accum * plan.pipeline_microbatches} instead of accum="

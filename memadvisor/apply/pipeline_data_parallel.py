@@ -29,11 +29,13 @@ class Groups:
     data_parallel: object = None  #: the D ranks holding this rank's stage(s)
     data_parallel_size: int = 1
     mesh: object = None
+    tensor_parallel: object = None  #: the tp ranks splitting this rank's stage (under tp)
 
 
 def pipeline_rank(plan: Plan, rank: int) -> int:
-    """This rank's place in its pipeline (its first stage under interleaved)."""
-    return rank % plan.pp
+    """This rank's place in its pipeline (its first stage under interleaved); under tp the
+    tp ranks of one stage are consecutive (the (dp, pp, tp) mesh)."""
+    return (rank // plan.tp) % plan.pp
 
 
 def data_parallel_rank(plan: Plan, rank: int) -> int:
@@ -50,8 +52,15 @@ def batch_split(plan: Plan, rank: int) -> tuple[Plan, int]:
 
 
 def make_groups(plan: Plan, device_type: str) -> Groups:
-    """The (dp, pp) mesh's groups; a pipeline alone keeps the world group."""
+    """The (dp, pp) mesh's groups; a pipeline alone keeps the world group; under tp the
+    (dp, pp, tp) mesh tensor parallelism made (``tensor_parallel.make_mesh``)."""
     replicas = plan.data_parallel_size
+    if plan.tp > 1:
+        from .tensor_parallel import make_mesh
+        mesh = make_mesh(plan, device_type)
+        return Groups(mesh["pp"].get_group(),
+                      mesh["dp"].get_group() if replicas > 1 else None, replicas, mesh,
+                      mesh["tp"].get_group())
     if replicas == 1:
         return Groups()
     from torch.distributed.device_mesh import init_device_mesh
@@ -83,15 +92,19 @@ def shard_blocks(module, blocks: list, plan: Plan, groups: Groups, optimizer) ->
         group["params"] = [after[names[id(p)]] for p in group["params"]]
 
 
-def average_gradients(parameters, groups: Groups) -> None:
+def average_gradients(parameters, plan: Plan, groups: Groups) -> None:
     """Each gradient averaged over this stage's data-parallel replicas, in place (FSDP's
-    sharded ones, DTensors, were averaged by its reduce-scatter)."""
+    sharded ones were averaged by its reduce-scatter; tensor parallelism's DTensors without
+    FSDP are averaged here, their local part)."""
     if groups.data_parallel_size == 1:
         return
     for p in parameters:
-        if p.grad is not None and not hasattr(p.grad, "to_local"):
-            dist.all_reduce(p.grad, group=groups.data_parallel)
-            p.grad.div_(groups.data_parallel_size)
+        grad = p.grad
+        if grad is None or (plan.uses_fsdp and hasattr(grad, "to_local")):
+            continue
+        grad = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(grad, group=groups.data_parallel)
+        grad.div_(groups.data_parallel_size)
 
 
 def check_batch(plan: Plan, groups: Groups, batch_size: int, values: list,

@@ -313,9 +313,11 @@ class PipelineModel(nn.Module):
         earlier = pipeline_collectives.set_aside_gradients(self.module)
         self.schedule.step(target=target, losses=losses, return_outputs=False, **inputs)
         self.outputs.clear()
+        pipeline_collectives.align_gradient_layouts(self.module)
         self._scale_gradients()
         self._sum_replicated_gradients()
-        pipeline_data_parallel.average_gradients(self.module.parameters(), self.groups)
+        pipeline_data_parallel.average_gradients(self.module.parameters(), self.plan,
+                                                 self.groups)
         for p in self.module.parameters():
             before = earlier.get(id(p))
             if before is not None:  # in place, as autograd accumulates into .grad
@@ -390,4 +392,5 @@ def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Pl
     groups = pipeline_data_parallel.make_groups(plan, device_type)
     pipeline_collectives.pipeline_group = groups.pipeline
     pipeline_collectives.data_parallel_group = groups.data_parallel
+    pipeline_collectives.tensor_parallel_group = groups.tensor_parallel
     return PipelineModel(module, plan, place, blocks, chunks, device, groups, optimizer)

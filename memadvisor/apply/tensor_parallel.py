@@ -206,15 +206,18 @@ _mesh: tuple | None = None
 
 
 def make_mesh(plan: Plan, device_type: str):
-    """One mesh per process group: ``(dp, tp)``, consecutive ranks in one tensor-parallel
-    group (they exchange activations every layer: the fastest links on a node)."""
+    """One mesh per process group: ``(dp, tp)``, or ``(dp, pp, tp)`` under a pipeline (as
+    torchtitan orders it); consecutive ranks in one tensor-parallel group (they exchange
+    activations every layer: the fastest links on a node), then a pipeline's stages."""
     global _mesh
     import torch.distributed as dist
-    key = (plan.data_parallel_size, plan.tp, device_type, id(dist.group.WORLD))
+    shape, names = (plan.data_parallel_size, plan.tp), ("dp", "tp")
+    if plan.pp > 1:
+        shape, names = (plan.data_parallel_size, plan.pp, plan.tp), ("dp", "pp", "tp")
+    key = (shape, device_type, id(dist.group.WORLD))
     if _mesh is None or _mesh[0] != key:
         from torch.distributed.device_mesh import init_device_mesh
-        _mesh = (key, init_device_mesh(device_type, (plan.data_parallel_size, plan.tp),
-                                       mesh_dim_names=("dp", "tp")))
+        _mesh = (key, init_device_mesh(device_type, shape, mesh_dim_names=names))
     return _mesh[1]
 
 

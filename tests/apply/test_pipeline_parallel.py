@@ -50,7 +50,10 @@ def test_interleaved_knobs_default_to_two_stages_per_rank():
     ("pp=2,world=2,microbatches=1", "needs at least 2 micro-batches"),
     ("pp=2,world=4", "world must equal pp"),
     ("pp=2,world=2,accum=2", "microbatches=4 instead of accum=2"),
-    ("pp=2,tp=2,world=4", "with tp=2 is not supported"),
+    ("pp=2,tp=2,world=8", "world must equal pp x tp = 4"),
+    ("pp=2,tp=2,sp", "with tp=2,sp is not supported yet"),
+    ("pp=2,tp=2,shard=ddp,world=4", "world must be a multiple of 4 with at least 2 of them"),
+    ("pp=2,tp=2,shard=zero1,world=8", "shard=zero1 is not supported"),
     ("pp=2,world=4,shard=zero1", "shard=zero1 is not supported"),
     ("pp=2,world=4,shard=zero3,schedule=interleaved", "interleaved is not supported yet"),
     ("pp=2,world=2,shard=zero2", "world must be a multiple of 2 with at least 2 of them"),
@@ -253,6 +256,39 @@ def test_pp_with_ddp_on_four_ranks_trains_as_the_unmodified_run(tmp_path):
     original = run_original(GPT, GPT4_ARGS)
     for (_, plan, _), params in zip(jobs, results):
         parts = Plan.parse(plan).pipeline_microbatches * 2
+        assert same_math_error(params, original, parts) <= 1, \
+            (plan, relative_error(params, original))
+
+
+@pytest.mark.slow
+def test_pp_with_tp_on_four_ranks_trains_as_the_unmodified_run(tmp_path):
+    """pp=2,tp=2 (gloo, 4 processes, a (dp, pp, tp) mesh): each stage's blocks split over its
+    2 tensor-parallel ranks, the stages a pipeline; gpt_lm (tied embedding/head split over
+    the vocabulary, gradient clipping: the squares of tp's shards summed over the tp group,
+    a stage's over the pipeline) and the zoo's Llama decoder (GQA, RMSNorm, RoPE).  The
+    same math in M parts, as pp alone, the tp all-reduces adding their rounding."""
+    jobs = [(GPT, "pp=2,tp=2,world=4", GPT4_ARGS),
+            (GPT, "pp=2,tp=2,schedule=interleaved", GPT4_ARGS),
+            (LLAMA, "pp=2,tp=2,world=4", LLAMA_ARGS)]
+    results = run_distributed(jobs, 4, tmp_path)
+    originals = {GPT: run_original(GPT, GPT4_ARGS), LLAMA: run_original(LLAMA, LLAMA_ARGS)}
+    for (script, plan, _), params in zip(jobs, results):
+        parts = Plan.parse(plan).pipeline_microbatches * 2
+        assert same_math_error(params, originals[script], parts) <= 1, \
+            (script.name, plan, relative_error(params, originals[script]))
+
+
+@pytest.mark.slow
+def test_three_dimensional_plans_on_eight_ranks_train_as_the_unmodified_run(tmp_path):
+    """pp=2,tp=2 beside a second pipeline (world=8, a (dp, pp, tp) mesh): the replicas'
+    tp-split gradients averaged over dp by the pipeline (ddp), or FSDP2 over dp on the
+    tp-split blocks (zero3: 2-D DTensors per stage).  Same math in replicas x M parts."""
+    jobs = [(GPT, "pp=2,tp=2,shard=ddp,world=8", GPT4_ARGS),
+            (GPT, "pp=2,tp=2,shard=zero3,world=8", GPT4_ARGS)]
+    results = run_distributed(jobs, 8, tmp_path)
+    original = run_original(GPT, GPT4_ARGS)
+    for (_, plan, _), params in zip(jobs, results):
+        parts = Plan.parse(plan).pipeline_microbatches * 2 * 2
         assert same_math_error(params, original, parts) <= 1, \
             (plan, relative_error(params, original))
 
