@@ -43,6 +43,10 @@ def _reducers(plan: Plan, category: str, micro: int, batch: int
     if plan.tp > 1 and category in MODEL_STATES + (schema.ACTIVATION, schema.TEMPORARY):
         # only the split blocks' Linears (and what flows inside those blocks) shrink
         out.append((f"tp={plan.tp} splits the attention and MLP blocks", 1 / plan.tp, False))
+    if plan.pp > 1 and category in MODEL_STATES + (schema.ACTIVATION, schema.TEMPORARY):
+        # the layers outside the block stack stay on every stage (or the end ones)
+        out.append((f"pp={plan.pp}: a stage holds its own blocks", 1 / plan.pipeline_stages,
+                    False))
     if plan.precision == "bf16" and category not in (schema.INPUT, schema.AUTOCAST_WEIGHT):
         out.append(("bf16 storage", 0.5, category in MODEL_STATES + (schema.BUFFER,)))
     elif plan.precision.startswith("amp-") and category in BATCH_SCALED:
@@ -79,6 +83,8 @@ def _adders(plan: Plan, category: str) -> tuple[list[str], list[str]]:
         out.append(DESCRIPTIONS[plan.optimizer])
     if category in (schema.ACTIVATION, schema.TEMPORARY) and plan.checkpoint != "none":
         out.append("checkpoint recompute in backward")
+    if category == schema.ACTIVATION and plan.pp > 1:
+        out.append(f"pp={plan.pp}: the saved activations of each micro-batch in flight")
     if category == schema.AUTOCAST_WEIGHT and plan.precision.startswith("amp-"):
         out.append(f"autocast's 16-bit copies of the weights ({plan.precision})")
     if category == schema.TEMPORARY:
@@ -323,14 +329,35 @@ def changes(plan: Plan) -> list[str]:
 
 
 def _ranks(plan: Plan) -> str:
-    """'8 ranks (zero3)'; with ``tp``: how the ranks split the model and the batch."""
+    """'8 ranks (zero3)'; with ``tp`` or ``pp``: how the ranks split the model and the
+    batch."""
     hybrid = f", hybrid groups of {plan.hybrid}" if plan.hybrid else ""
-    if plan.tp < 2:
+    if plan.tp < 2 and plan.pp < 2:
         return f"{plan.world} ranks ({plan.shard}{hybrid})"
-    split = (f"tensor parallel over {plan.tp} (attention and MLP blocks split"
-             f"{', sequence parallel' if plan.sp else ''})")
+    split = " within ".join(part for part in (_tensor_split(plan), _pipeline_split(plan))
+                            if part)
     groups = plan.data_parallel_size
     if groups < 2:
         return f"{plan.world} ranks ({split}; every rank sees the whole batch)"
+    # ddp shards nothing: its group is every data-parallel rank
+    over = plan.shard_group_size if plan.shard_group_size > 1 else groups
     return (f"{plan.world} ranks: {groups} data-parallel groups ({plan.shard} over "
-            f"{plan.shard_group_size} ranks), each {split}")
+            f"{over} ranks), each {split}")
+
+
+def _tensor_split(plan: Plan) -> str:
+    if plan.tp < 2:
+        return ""
+    return (f"tensor parallel over {plan.tp} (attention and MLP blocks split"
+            f"{', sequence parallel' if plan.sp else ''})")
+
+
+def _pipeline_split(plan: Plan) -> str:
+    """'pipeline parallel over 2 stages (1f1b, 8 micro-batches)'."""
+    if plan.pp < 2:
+        return ""
+    virtual = plan.pipeline_stages_per_rank
+    stages = (f"{plan.pipeline_stages} stages, {virtual} per rank" if virtual > 1
+              else f"{plan.pp} stages")
+    return (f"pipeline parallel over {stages} ({plan.schedule}, "
+            f"{plan.pipeline_microbatches} micro-batches)")

@@ -71,11 +71,8 @@ def simulate_text(data: dict) -> str:
     per = " per rank" if data["per_rank"] else ""
     lines.append(f"peak{per}: {format_bytes(data['peak_bytes'])}   baseline "
                  f"{format_bytes(data['baseline_peak_bytes'])}")
-    for stage in data.get("pipeline_stages") or ():
-        first, last = stage["blocks"]
-        lines.append(f"  stage {stage['stage']} (blocks {first}-{last}, "
-                     f"{stage['in_flight_micro_batches']} in flight): "
-                     f"{format_bytes(stage['peak_bytes'])} ({stage['peak_bytes']:,} B)")
+    lines += [f"  {_stage_text(stage)} ({stage['peak_bytes']:,} B)"
+              for stage in data.get("pipeline_stages") or ()]
     if data.get("peak_bytes_if_collectives_free_at_once") is not None:
         lines.append(f"  (memadvisor apply frees gloo's collective buffers as each collective "
                      f"returns: its runs peak at "
@@ -104,6 +101,13 @@ def simulate_text(data: dict) -> str:
     lines.append("changes: " + "; ".join(data["changes"]))
     lines += [f"warning: {w}" for w in data["warnings"]]
     return "\n".join(lines)
+
+
+def _stage_text(stage: dict) -> str:
+    """'stage 0 (blocks 0-1, 2 in flight): 1.2 GiB' (``pipeline_parallel.stage_peaks``)."""
+    first, last = stage["blocks"]
+    return (f"stage {stage['stage']} (blocks {first}-{last}, "
+            f"{stage['in_flight_micro_batches']} in flight): {format_bytes(stage['peak_bytes'])}")
 
 
 def advise_dict(base: Baseline, result: SearchResult, hw: Hardware) -> dict:
@@ -154,13 +158,17 @@ def advise_text(data: dict) -> str:
     lines.append(header)
     notes = []
     for index, plan in enumerate(data["plans"], 1):
-        reserved = format_bytes(plan["reserved_bytes"]) if plan["reserved_bytes"] else "-"
+        stages = plan.get("pipeline_stages") or ()
+        # a pp plan's reserved figure is its worst stage's peak: no allocator model per stage
+        reserved = (format_bytes(plan["reserved_bytes"])
+                    if plan["reserved_bytes"] and not stages else "-")
         mark = plan.get("check_mark")  # filled by the command that checked the plans
         lines.append(f"{index:>2}  {format_bytes(plan['peak_bytes']):>10}  {reserved:>10}  "
                      f"x{plan['step_time_factor']:<6.3f}  "
                      f"x{plan['step_time_factor'] * plan['plan']['world']:<7.3f}  "
                      f"{plan['plan_compact']}"
                      + (f"   [{mark}]" if mark else ""))
+        lines += [f"{'':>4}{_stage_text(stage)}" for stage in stages]
         notes += [f"#{index}: {note}" for note in plan.get("check_notes", [])]
     if notes:
         lines += ["", *notes]
@@ -195,6 +203,10 @@ def advise_text(data: dict) -> str:
         lines += ["", f"best: {best['plan_compact']}"]
         lines += [f"  {term}" for term in best["terms"]]
         lines.append("  changes: " + "; ".join(best["changes"]))
+    if any(plan.get("pipeline_stages") for plan in data["plans"]):
+        lines += ["", "pp plans: the peak is the worst stage's (each stage's below its plan); "
+                      "no allocator model per stage (reserved '-': the fit is the peak's), "
+                      "no largest micro-batch"]
     if data["max_micro_batch"]:
         lines.append("")
         lines.append("largest micro-batch per rank that fits (analytic: not executed):")

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from ..errors import UserError
 from ..plan import Plan
 from .hardware import Hardware
-from .search import (SEMANTIC, SearchResult, add_tensor_parallel, candidate_plans, fast_pass,
+from .search import (SEMANTIC, SearchResult, add_model_parallel, candidate_plans, fast_pass,
                      group_by_layout, rank_key, twin_stages)
 from .simulator import Baseline, Prediction, layout_cache_keys, simulate
 
@@ -82,13 +82,13 @@ def price_plans(base: Baseline, hw: Hardware, gpus: int = 1, *, allow: set[str] 
         shared = _share([needs[k][0] for k in order], *part)
         return [k for k in order if needs[k][0] in shared]
 
-    whole = part[1] == 1  # shares: tp plans once merged (their choice needs every figure)
+    whole = part[1] == 1  # shares: tp and pp plans once merged (their choice needs all figures)
     watch = twin_stages(base, hw, gpus, allow, objective, plans, outcomes) if whole else None
     stage_keys = fast_pass(base, hw, plans, by_layout, cache, outcomes, only=mine,
                            keep=_without_timeline, watch=watch)
     if whole:
-        add_tensor_parallel(base, hw, gpus, allow, objective, plans, outcomes, cache,
-                            stage_keys, keep=_without_timeline, held=watch)
+        add_model_parallel(base, hw, gpus, allow, objective, plans, outcomes, cache,
+                           stage_keys, keep=_without_timeline, held=watch)
     # the exact pass goes on with this cache (what else it holds: each plan's regions), as
     # ``advise``'s does
     return PricedPlans(base, hw, gpus, frozenset(allow), objective, expandable_segments, plans,
@@ -119,9 +119,9 @@ def merge_parts(priced: PricedPlans, *others: list) -> PricedPlans:
     missing = sum(outcome is None for outcome in priced.outcomes)
     if missing:
         raise ValueError(f"{missing} plans priced by no share")
-    add_tensor_parallel(priced.base, priced.hw, priced.gpus, set(priced.allow),
-                        priced.objective, priced.plans, priced.outcomes, priced.cache,
-                        priced.stage_keys, keep=_without_timeline)
+    add_model_parallel(priced.base, priced.hw, priced.gpus, set(priced.allow),
+                       priced.objective, priced.plans, priced.outcomes, priced.cache,
+                       priced.stage_keys, keep=_without_timeline)
     return priced
 
 

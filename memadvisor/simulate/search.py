@@ -1,31 +1,35 @@
 """``advise``: enumerate plans, drop the impossible, predict the rest, rank by step time.
 
-Plans are every combination of the knobs below that ``plan.Plan`` accepts and the target
-hardware can run.  Techniques that change training semantics (``bf16``, an optimizer
+Plans are every combination of knobs that ``plan.Plan`` accepts and the target hardware
+can run (``candidates``).  Techniques that change training semantics (``bf16``, an optimizer
 swap) are enumerated only when allowed.  Every candidate gets the fast pass (peak of
 requested bytes from its lifetime layout's bounds, ``bounds.LayoutBounds``; the layouts one
 at a time, ``fast_pass``, so memory holds one of them); the allocator model (reserved
 memory) runs for every plan shown (the best ``top`` that fit).  A plan fits when its
 reserved (or, without an allocator, peak) bytes are at most ``budget * (1 - margin)``.
+Tensor- and pipeline-parallel plans, which the bounds cannot express, are replayed exactly,
+a few per degree chosen from the fast pass's figures of their twins
+(``add_model_parallel``).
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..plan import (Environment, Plan, PlanError, environment_problems,
-                    resolve_checkpoint_per_root, tensor_parallel_blocks)
+from ..plan import Environment, Plan, PlanError, environment_problems
 from ..units import format_bytes
 from .batch_coupling import split_refusal
+from .candidates import (EXACT_PER_DEGREE, SEMANTIC, candidate_plans, degree, estimated,
+                         model_parallel_candidates, rank_key)
 from .hardware import Hardware
 from .simulator import (Baseline, Prediction, layout_cache_keys, layout_key, max_micro_batch,
                         quick_simulate, simulate)
 
-SEMANTIC = {"bf16": "bf16", "optimizer": "optimizer"}
+__all__ = ["SEMANTIC", "SearchResult", "add_model_parallel", "advise", "candidate_plans",
+           "fast_pass", "group_by_layout", "rank_key", "twin_stages"]
 
 
 @dataclass
@@ -42,123 +46,25 @@ class SearchResult:
     cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _divisors_upto(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
-def _precisions(allow: set[str], hw: Hardware) -> list[str]:
-    precisions = ["fp32", "amp-bf16"]
-    if hw.device_type == "cuda":
-        precisions.append("amp-fp16")
-    if "bf16" in allow:
-        precisions.append("bf16")
-    return precisions
-
-
-def _checkpoint_choices(base: Baseline) -> list[str]:
-    """``auto`` where the model has repeated blocks that the script does not already
-    checkpoint itself (those plans would only repeat the ones without it)."""
-    if not base.blocks:
-        return ["none"]
-    own = base.script_checkpointed
-    if own is not None and own.modules:
-        try:
-            regions = resolve_checkpoint_per_root(Plan(checkpoint="auto"), base.meta.modules)
-        except PlanError:
-            return ["none"]
-        if all(own.covers(region) for region in regions):
-            return ["none"]
-    return ["none", "auto"]
-
-
-def candidate_plans(base: Baseline, gpus: int, allow: set[str], hw: Hardware) -> list[Plan]:
-    precisions = _precisions(allow, hw)
-    optimizers = ["keep"] + (["sgd", "sgd-momentum", "adafactor", "adam8bit"]
-                             if "optimizer" in allow else [])
-    checkpoints = _checkpoint_choices(base)
-    batch = base.batch_size or 1
-    worlds = sorted({w for w in (1, 2, 4, 8, 16, 32, 64) if w <= gpus} | {gpus})
-    shards_for = {1: ["none"]}
-    offloads = [frozenset()]
-    if hw.device_type == "cuda":
-        offloads += [frozenset({"optimizer"}), frozenset({"activations"}),
-                     frozenset({"optimizer", "params"}),
-                     frozenset({"optimizer", "params", "activations"})]
-    out = []
-    for world in worlds:
-        if batch % world:
-            continue
-        shards = shards_for.get(world, ["ddp", "zero1", "zero2", "zero3"])
-        accums = _divisors_upto(batch // world, 64)
-        hybrids = [None] + [g for g in (2, 4, 8) if g < world and world % g == 0]
-        for shard, precision, checkpoint, accum, offload, optimizer, hybrid in itertools.product(
-                shards, precisions, checkpoints, accums, offloads, optimizers, hybrids):
-            if hybrid is not None and shard not in ("zero1", "zero2", "zero3"):
-                continue
-            try:
-                out.append(Plan(precision=precision, checkpoint=checkpoint, accum=accum,
-                                shard=shard, world=world, hybrid=hybrid, offload=offload,
-                                optimizer=optimizer))
-            except PlanError:
-                continue
-    return out
-
-
-#: tensor-parallel degrees ``advise`` tries (those dividing the GPUs)
-TP_DEGREES = (2, 4, 8)
-#: tensor-parallel plans replayed exactly per degree (the bounds cannot express them)
-TP_EXACT = 2
-
-
-def tensor_parallel_candidates(base: Baseline, gpus: int, allow: set[str], hw: Hardware
-                               ) -> list[tuple[Plan, Plan]]:
-    """(tp plan, its twin) for every tp plan ``advise`` could propose: ``tp=T,world=T`` when
-    the GPUs are T, else ``tp=T,shard=zero3,world=GPUs`` (FSDP over GPUs/T groups), for T
-    in ``TP_DEGREES`` dividing the GPUs, crossed with precision, checkpoint, accumulation
-    and the optimizers tp runs with.  The twin: the same plan without tp on GPUs/T ranks --
-    the same micro-batch and the same ZeRO group, what tp then splits.  Empty when the
-    model has no block tp splits (``plan.tensor_parallel_blocks``, as apply and simulate)."""
-    blocks = tensor_parallel_blocks(base.meta.modules)
-    if gpus < 2 or not (blocks.attention or blocks.mlp):
-        return []
-    batch = base.batch_size or 1
-    optimizers = ["keep"] + (["sgd", "sgd-momentum"] if "optimizer" in allow else [])
-    checkpoints = _checkpoint_choices(base)
-    out = []
-    for tp in TP_DEGREES:
-        groups = gpus // tp
-        if tp > gpus or gpus % tp or batch % groups:
-            continue
-        shard = "zero3" if groups > 1 else "none"
-        for precision, checkpoint, accum, optimizer in itertools.product(
-                _precisions(allow, hw), checkpoints, _divisors_upto(batch // groups, 64),
-                optimizers):
-            knobs = dict(precision=precision, checkpoint=checkpoint, accum=accum, shard=shard,
-                         optimizer=optimizer)
-            try:
-                out.append((Plan(**knobs, world=gpus, tp=tp), Plan(**knobs, world=groups)))
-            except PlanError:
-                continue
-    return out
-
-
 class TwinStages:
     """A ``fast_pass`` watcher that keeps the model-stage timelines (steps 0-2 and 0-3) of
-    the twins ``add_tensor_parallel`` will pick -- per degree, the best twin so far under
-    the objective and the leanest so far -- so that their tp plans, which share the twin's
-    layout, are replayed without making those timelines again (the precision and
-    checkpoint rewrites are most of a replay's time).  At most two per degree are held
-    beyond the layout being priced; a guess that turns out wrong only costs that time."""
+    the twins ``add_model_parallel`` will pick -- per degree, the best twin so far under
+    the objective and the leanest so far, where ``candidates.estimated`` places their
+    plans -- so that those tp and pp plans, which share the twin's layout, are replayed
+    without making those timelines again (the precision and checkpoint rewrites are most
+    of a replay's time).  At most two per degree are held beyond the layout being priced;
+    a guess that turns out wrong only costs that time."""
 
     def __init__(self, plans: list[Plan], outcomes: list, pairs: list[tuple[Plan, Plan]],
                  key):
-        twins: dict[str, set[int]] = {}
+        planned: dict[str, list[Plan]] = {}
         for plan, twin in pairs:
-            twins.setdefault(twin.to_compact(), set()).add(plan.tp)
+            planned.setdefault(twin.to_compact(), []).append(plan)
         worlds = {twin.world for _, twin in pairs}
-        self.degrees = {index: twins[plan.to_compact()] for index, plan in enumerate(plans)
+        # the cheap tests first: most of the thousands of plans are no twin
+        self.planned = {index: planned[plan.to_compact()] for index, plan in enumerate(plans)
                         if plan.world in worlds and plan.hybrid is None and not plan.offload
-                        and plan.to_compact() in twins}
+                        and plan.to_compact() in planned}
         self.pairs, self.outcomes, self.key = pairs, outcomes, key
         self.best: dict[tuple, tuple] = {}  #: (degree, role) -> (rank, entries)
         self.held: dict[tuple, object] = {}  #: cache entry -> its timeline
@@ -166,16 +72,18 @@ class TwinStages:
     def __call__(self, indices: list[int], entries: tuple, cache: dict) -> None:
         changed = False
         for index in indices:
-            degrees = self.degrees.get(index)
-            outcome = self.outcomes[index] if degrees else None
+            planned = self.planned.get(index)
+            outcome = self.outcomes[index] if planned else None
             if outcome is None or isinstance(outcome, tuple):
                 continue
-            ranks = {"best": (self.key(outcome),), "leanest": (outcome.peak_bytes,)}
-            for degree in degrees:
-                for role, rank in ranks.items():
-                    known = self.best.get((degree, role))
-                    if known is None or rank < known[0]:
-                        self.best[(degree, role)] = (rank, entries[:2])
+            for plan in planned:
+                figures = estimated(plan, outcome)
+                rank = self.key(figures)
+                # the ends of ``_front_picks``' front: first in rank, least peak (ties: rank)
+                for role, order in (("best", rank), ("leanest", (figures.peak_bytes, rank))):
+                    known = self.best.get((degree(plan), role))
+                    if known is None or order < known[0]:
+                        self.best[(degree(plan), role)] = (order, entries[:2])
                         changed = True
         if changed:
             wanted = {entry for _, kept in self.best.values() for entry in kept}
@@ -196,49 +104,28 @@ class TwinStages:
 
 def twin_stages(base: Baseline, hw: Hardware, gpus: int, allow: set[str], objective: str,
                 plans: list[Plan], outcomes: list) -> "TwinStages | None":
-    """The ``fast_pass`` watcher for ``add_tensor_parallel``'s picks; None without tp plans."""
-    pairs = tensor_parallel_candidates(base, gpus, allow, hw)
+    """The ``fast_pass`` watcher for ``add_model_parallel``'s picks; None without tp or pp
+    plans."""
+    pairs = model_parallel_candidates(base, gpus, allow, hw)
     if not pairs:
         return None
     return TwinStages(plans, outcomes, pairs, rank_key(objective))
 
 
-def add_tensor_parallel(base: Baseline, hw: Hardware, gpus: int, allow: set[str],
-                        objective: str, plans: list[Plan], outcomes: list, cache: dict,
-                        stage_keys: set, keep=None, held: TwinStages | None = None
-                        ) -> list[Plan]:
-    """Append to ``plans`` and ``outcomes`` the tensor-parallel plans worth replaying, with
-    their exact predictions (``simulate`` without the allocator model; the layout bounds
-    know nothing of tp).  Per degree T at most ``TP_EXACT`` of them, chosen from their
-    twins' fast-pass figures (``outcomes`` of the plans without tp) and no budget: the
-    twins' Pareto front of ``objective`` against peak bytes -- its best plan, its leanest
-    and evenly between -- so any budget finds the tp plan its twins say fits best.  A tp
-    plan whose twin is not a candidate (GPUs/T not a candidate world) is not tried."""
-    pairs = held.pairs if held is not None else tensor_parallel_candidates(base, gpus, allow, hw)
+def add_model_parallel(base: Baseline, hw: Hardware, gpus: int, allow: set[str],
+                       objective: str, plans: list[Plan], outcomes: list, cache: dict,
+                       stage_keys: set, keep=None, held: TwinStages | None = None
+                       ) -> list[Plan]:
+    """Append to ``plans`` and ``outcomes`` the tensor- and pipeline-parallel plans worth
+    replaying, with their exact predictions (``simulate`` without the allocator model; the
+    layout bounds know nothing of tp or pp).  Per degree at most ``EXACT_PER_DEGREE``,
+    chosen from their twins' fast-pass figures (``outcomes`` of the plans without tp or
+    pp, as ``candidates.estimated`` places them) and no budget: ``_front_picks``.  A plan
+    whose twin is not a candidate (GPUs/degree not a candidate world) is not tried."""
+    pairs = held.pairs if held is not None else model_parallel_candidates(base, gpus, allow, hw)
     if not pairs:
         return []
-    worlds = {twin.world for _, twin in pairs}
-    priced = {plan.to_compact(): outcome for plan, outcome in zip(plans, outcomes)
-              if plan.world in worlds and plan.hybrid is None and not plan.offload
-              and outcome is not None and not isinstance(outcome, tuple)}
-    key = rank_key(objective)
-    env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
-                      fp16_supported=hw.fp16, bitsandbytes_available=True)
-    by_degree: dict[int, list] = {}
-    for plan, twin in pairs:
-        figures = priced.get(twin.to_compact())
-        if figures is not None and not environment_problems(plan, env):
-            by_degree.setdefault(plan.tp, []).append((plan, figures))
-    chosen: list[Plan] = []
-    for tp, entries in sorted(by_degree.items()):
-        entries.sort(key=lambda entry: key(entry[1]))
-        front = []
-        for entry in entries:
-            if not front or entry[1].peak_bytes < front[-1][1].peak_bytes:
-                front.append(entry)
-        last = len(front) - 1
-        picks = sorted({round(i * last / max(TP_EXACT - 1, 1)) for i in range(TP_EXACT)})
-        chosen += [front[i][0] for i in picks]
+    chosen = _front_picks(pairs, _priced_twins(plans, outcomes, pairs), rank_key(objective), hw)
 
     def exact(plan: Plan):
         if held is not None:
@@ -258,31 +145,40 @@ def add_tensor_parallel(base: Baseline, hw: Hardware, gpus: int, allow: set[str]
     return chosen
 
 
-#: what "best" means: ``cost`` GPU-time per step (step time x GPUs: a second GPU that
-#: halves the step costs the same, and communication makes it cost more), ``speed`` wall
-#: time per step (GPUs are free), ``memory`` the smallest peak
-OBJECTIVES = ("cost", "speed", "memory")
+def _priced_twins(plans: list[Plan], outcomes: list, pairs: list[tuple[Plan, Plan]]
+                  ) -> dict[str, Prediction]:
+    """plan (compact) -> its fast-pass prediction, for the plans that may be twins."""
+    worlds = {twin.world for _, twin in pairs}
+    return {plan.to_compact(): outcome for plan, outcome in zip(plans, outcomes)
+            if plan.world in worlds and plan.hybrid is None and not plan.offload
+            and outcome is not None and not isinstance(outcome, tuple)}
 
 
-def rank_key(objective: str):
-    """The sort key of a prediction under ``objective``; ties go to the plan with fewer
-    techniques, then the smaller peak."""
-    # the step-time factor as ``output`` reports it (4 digits), rounded to 3: the order is
-    # that of the figures shown (rounding the raw factor once, a tp plan's 0.25249 ranked
-    # as 0.252 but showed as 0.2525 -> x0.253, after a 0.2524)
-    if objective == "speed":
-        return lambda p: (round(_shown(p), 3), _complexity(p.plan), p.peak_bytes)
-    if objective == "memory":
-        return lambda p: (p.reserved_bytes or p.peak_bytes, round(_shown(p), 3),
-                          _complexity(p.plan))
-    if objective == "cost":
-        return lambda p: (round(_shown(p) * p.plan.world, 3), _complexity(p.plan),
-                          p.peak_bytes)
-    raise UserError(f"--objective takes {', '.join(OBJECTIVES)}; got {objective!r}")
-
-
-def _shown(prediction: Prediction) -> float:
-    return round(prediction.step_time_factor, 4)
+def _front_picks(pairs: list[tuple[Plan, Plan]], priced: dict[str, Prediction], key,
+                 hw: Hardware) -> list[Plan]:
+    """Per degree (tp, then pp, each ascending), ``EXACT_PER_DEGREE`` plans from the
+    Pareto front of the objective against peak bytes that their priced twins make: its
+    best plan, its leanest and evenly between -- so any budget finds the plan its twins
+    say fits best."""
+    env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
+                      fp16_supported=hw.fp16, bitsandbytes_available=True)
+    by_degree: dict[tuple[int, int], list] = {}
+    for plan, twin in pairs:
+        figures = priced.get(twin.to_compact())
+        if figures is not None and not environment_problems(plan, env):
+            by_degree.setdefault(degree(plan), []).append((plan, estimated(plan, figures)))
+    chosen: list[Plan] = []
+    for entries in by_degree.values():  # in the pairs' order: tp's degrees, then pp's
+        entries.sort(key=lambda entry: key(entry[1]))
+        front = []
+        for entry in entries:
+            if not front or entry[1].peak_bytes < front[-1][1].peak_bytes:
+                front.append(entry)
+        last = len(front) - 1
+        picks = sorted({round(i * last / max(EXACT_PER_DEGREE - 1, 1))
+                        for i in range(EXACT_PER_DEGREE)})
+        chosen += [front[i][0] for i in picks]
+    return chosen
 
 
 def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
@@ -306,9 +202,9 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     watch = twin_stages(base, hw, gpus, allow, objective, plans, outcomes)
     stage_keys = fast_pass(base, hw, plans, by_layout, cache, outcomes, watch=watch)
     cpu_seconds = {"fast pass": time.process_time() - started}
-    add_tensor_parallel(base, hw, gpus, allow, objective, plans, outcomes, cache, stage_keys,
-                        held=watch)
-    cpu_seconds["tensor parallel"] = time.process_time() - started - cpu_seconds["fast pass"]
+    add_model_parallel(base, hw, gpus, allow, objective, plans, outcomes, cache, stage_keys,
+                       held=watch)
+    cpu_seconds["model parallel"] = time.process_time() - started - cpu_seconds["fast pass"]
     for outcome in outcomes:  # in candidate order, as ties in the ranking are broken
         if isinstance(outcome, tuple):
             rejected.append(outcome)
@@ -340,6 +236,9 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     # (base.warnings says so)
     # nor a batch whose size counts nodes or tokens (``ragged_batch``)
     shown = [] if base.batch_coupled or base.ragged_batch else ranked[:3]
+    # not for a pp plan: ``max_micro_batch`` bisects the whole model's timeline, not the
+    # worst stage's (``pipeline_parallel.stage_peaks``) -- no answer rather than a wrong one
+    shown = [p for p in shown if p.plan.pp == 1]
     sizes = _in_layout_order(base, hw, [p.plan for p in shown], cache, stage_keys,
                              lambda plan: max_micro_batch(
                                  base, plan, hw, usable, cache=cache,
@@ -448,8 +347,3 @@ class _LastLayout(dict):
             self.clear()
         return super().get(key, default)
 
-
-def _complexity(plan: Plan) -> int:
-    default = Plan()
-    return sum(getattr(plan, key) != getattr(default, key) for key in (
-        "precision", "checkpoint", "accum", "shard", "hybrid", "optimizer")) + len(plan.offload)

@@ -10,8 +10,9 @@ from memadvisor.plan import Plan
 from memadvisor.simulate import hardware, prepare, simulate
 from memadvisor.simulate.explain import changes
 from memadvisor.simulate.ranking import merge_parts, price_plans, rank
-from memadvisor.simulate.search import (TP_EXACT, advise, candidate_plans,
-                                        tensor_parallel_candidates)
+from memadvisor.simulate.candidates import (EXACT_PER_DEGREE, candidate_plans,
+                                            tensor_parallel_candidates)
+from memadvisor.simulate.search import advise
 from memadvisor.simulate.simulator import max_micro_batch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -44,7 +45,8 @@ def test_a_tp_plan_fits_where_no_plan_without_tp_does(base):
     usable = int(BUDGET * 0.95)
     result = advise(base, hw, BUDGET, 2)
     plain = candidate_plans(base, 2, set(), hw)
-    assert result.evaluated == len(plain) + TP_EXACT  # one degree (2): TP_EXACT replayed
+    # one degree (2) of each kind replayed, tp and pp (tests/simulate/test_search_pp.py)
+    assert result.evaluated == len(plain) + 2 * EXACT_PER_DEGREE
     # no plan without tp fits: every ranked plan is a tp plan, replayed exactly
     assert result.ranked and all(p.plan.tp == 2 and p.plan.world == 2 for p in result.ranked)
     best = result.ranked[0]
@@ -71,7 +73,7 @@ def test_tp_plans_rank_beside_zero_by_the_same_objective(base):
     # degrees 2 (2-D: FSDP over 2 groups) and 4 (alone), beside plans without tp
     assert {(p.plan.tp, p.plan.world, p.plan.shard) for p in tp} == {
         (2, 4, "zero3"), (4, 4, "none")}
-    assert len(tp) == 2 * TP_EXACT and len(tp) < len(shown)
+    assert len(tp) == 2 * EXACT_PER_DEGREE and len(tp) < len(shown)
     # one objective: GPU-time per step, tp's all-reduces included
     costs = [round(round(p.step_time_factor, 4) * p.plan.world, 3) for p in result.ranked]
     assert costs == sorted(costs)
@@ -94,7 +96,8 @@ def test_no_tp_plan_without_blocks_tp_splits(trace_path):
     hw = hardware("cpu")
     assert tensor_parallel_candidates(base, 4, set(), hw) == []
     result = advise(base, hw, 10 << 30, 4, top=1000)
-    assert result.evaluated == len(candidate_plans(base, 4, set(), hw))
+    # the pp plans of degrees 2 and 4 only (its blocks are still a stack to cut)
+    assert result.evaluated == len(candidate_plans(base, 4, set(), hw)) + 2 * EXACT_PER_DEGREE
     assert not _tp(result.ranked + result.too_big)
 
 
@@ -145,13 +148,13 @@ def test_tp_replays_reuse_their_twins_model_stage(base, monkeypatch):
         watch = search.twin_stages(base, hw, 4, set(), "cost", plans, outcomes) \
             if watched else None
         keys = search.fast_pass(base, hw, plans, by_layout, cache, outcomes, watch=watch)
-        if watch is not None:  # 2 degrees x 2 roles x (steps 0-2, 0-3) at most
-            assert 0 < len(watch.held) <= 8
+        if watch is not None:  # 2 tp and 2 pp degrees x 2 roles x (steps 0-2, 0-3) at most
+            assert 0 < len(watch.held) <= 16
         calls = []
         real = simulator.apply_precision
         monkeypatch.setattr(simulator, "apply_precision",
                             lambda *a, **k: calls.append(1) or real(*a, **k))
-        chosen = search.add_tensor_parallel(base, hw, 4, set(), "cost", plans, outcomes,
+        chosen = search.add_model_parallel(base, hw, 4, set(), "cost", plans, outcomes,
                                             cache, keys, held=watch)
         monkeypatch.setattr(simulator, "apply_precision", real)
         return [(p.plan.to_compact(), p.peak_bytes, p.step_time_factor)
@@ -159,7 +162,8 @@ def test_tp_replays_reuse_their_twins_model_stage(base, monkeypatch):
 
     held, rebuilt = priced(True)
     fresh, made = priced(False)
-    assert len(held) == 2 * TP_EXACT and held == fresh  # the same plans and figures
+    # tp=2, tp=4, pp=2, pp=4: the same plans and figures
+    assert len(held) == 4 * EXACT_PER_DEGREE and held == fresh
     assert rebuilt == 0 < made  # the held stages spared the precision rewrite
 
 
