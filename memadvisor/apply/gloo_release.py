@@ -23,8 +23,11 @@ Two changes make the release deterministic:
 
 Every rank waits on the same collectives in the same order (SPMD), so the drains pair up
 across ranks like any other collective.  Point-to-point works (send / recv, whose waits
-differ between ranks) are not drained, and plans with pipeline stages do not install the
-drain at all.  NCCL (CUDA) is untouched: it works in place, with no such buffers.
+differ between ranks) are not drained.  Under a pipeline the ranks of different stages run
+different code, so a group spanning stages (the pipeline's, the world) is excluded
+(``exclude``): the drains run on the groups whose members hold one stage (tensor-parallel
+peers, a stage's data-parallel replicas), which wait on the same collectives in the same
+order.  NCCL (CUDA) is untouched: it works in place, with no such buffers.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ _original_wait = None
 _functional_library = None
 #: group name -> the empty tensor each drain all-reduces
 _drain_tensors: dict[str, torch.Tensor] = {}
+#: names of the groups never drained: their ranks run different code (a pipeline's stages)
+_excluded: set[str] = set()
 #: drains run so far (tests read it; a count, not a timing)
 drains = 0
 _draining = threading.local()
@@ -109,7 +114,7 @@ def one_worker_groups() -> list:
             threads = backend.options._threads
         except AttributeError:
             continue
-        if threads == 1 and group.group_name not in seen:
+        if threads == 1 and group.group_name not in seen | _excluded:
             seen.add(group.group_name)
             found.append((group, backend))
     return found
@@ -136,6 +141,13 @@ def drain() -> None:
         drains += 1
     finally:
         _draining.active = False
+
+
+def exclude(group) -> None:
+    """Never drain ``group`` (None: the world): its ranks do not wait on the same collectives
+    in the same order, so a drain there would pair one rank's drain with another's
+    collective."""
+    _excluded.add((group or c10d._get_default_group()).group_name)
 
 
 def install_drain() -> bool:

@@ -210,12 +210,11 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         output_gradient = [stream_bytes if g < num_stages - 1 else 0.0 for g in mine_stages]
         peak, at_peak = _peak_over_backwards(terms, actions, virtual, sends_per_backward,
                                              stream_bytes, output_gradient)
-        # gloo's worker may hold FSDP's buffers to the next collective (a race: measured
-        # runs land on either figure, rank by rank).  apply drains the groups it makes for
-        # plain FSDP/tp (apply/gloo_release.py) but not a pipeline's data-parallel groups:
-        # on a backend that copies (gloo) the race stays for pp x zero2/zero3
-        if fsdp and (copies.get("held_until_next") or copies.get("all_gather", 0)
-                     or copies.get("reduce_scatter", 0)):
+        # a backend whose worker may hold FSDP's buffers to the next collective (a race:
+        # runs land on either figure, rank by rank) gets the late figure beside; apply
+        # drains gloo's groups within a stage (apply/gloo_release.py), so on the CPU the
+        # device rule says they are not held
+        if fsdp and copies.get("held_until_next"):
             late, _ = _peak_over_backwards([stage_terms(g, held, True) for g in mine_stages],
                                            actions, virtual, sends_per_backward, stream_bytes,
                                            output_gradient)

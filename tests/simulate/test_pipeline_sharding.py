@@ -98,13 +98,15 @@ def test_pp_with_fsdp_predicted_per_rank_against_apply_profile(gpt4, shard):
             "--profile", measured_path, "--profile-steps", "3", "--", *GPT4_ARGS,
             "--steps", "5", timeout=600)
     stages = simulate(prepare(trace), Plan.parse(plan)).notes["pipeline_parallel"]["stages"]
+    measured = []
     for rank in range(4):
         path = measured_path if rank == 0 else folder / f"{shard}.rank{rank}.trace"
         measured_trace = read_trace(str(path))
-        measured = measured_trace.meta.steps[analysed_step(measured_trace)]["peak_bytes"]
-        # a pipeline's gloo groups are not drained: a run lands between the prompt figure
-        # (peak_bytes) and the one with gloo's worker holding buffers, rank by rank
-        low = stages[rank % 2]["peak_bytes"]
-        high = stages[rank % 2].get("peak_bytes_if_collectives_held", low)
-        assert low * (1 - TARGET) <= measured <= high * (1 + TARGET), (
-            shard, rank, low, high, measured)
+        measured.append(measured_trace.meta.steps[analysed_step(measured_trace)]["peak_bytes"])
+    # apply drains the gloo groups within a stage (apply/gloo_release.py): the replicas of a
+    # stage free FSDP's buffers at the same point, and the prompt figure is what they measure
+    assert measured[0] == measured[2] and measured[1] == measured[3], (shard, measured)
+    for rank in range(4):
+        predicted = stages[rank % 2]["peak_bytes"]
+        assert abs(predicted - measured[rank]) / measured[rank] <= TARGET, (
+            shard, rank, predicted, measured[rank])
