@@ -321,6 +321,10 @@ def install(gpu: GpuProfile, device_count: int, stats: MemoryStats,
     }
     for name, value in replacements.items():
         patches.set(cuda, name, value)
+    # the device-generic API asks C++ for the stream, which knows no fake device (FSDP2's
+    # finalize_backward waits on an unshard a pipeline stage left without its wait)
+    patches.set(torch.accelerator, "current_stream", _current_stream)
+    patches.set(torch.accelerator, "synchronize", _noop)
     # torch.cuda.memory holds the implementations some callers import from there
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
