@@ -233,6 +233,9 @@ def _shown(prediction: Prediction) -> float:
 
 
 def _complexity(plan: Plan) -> int:
+    """Techniques the plan adds; model parallelism counts (a pipeline tying with DDP on
+    GPU-time is the more to run)."""
     default = Plan()
     return sum(getattr(plan, key) != getattr(default, key) for key in (
-        "precision", "checkpoint", "accum", "shard", "hybrid", "optimizer")) + len(plan.offload)
+        "precision", "checkpoint", "accum", "shard", "hybrid", "optimizer", "tp",
+        "pp")) + len(plan.offload)
