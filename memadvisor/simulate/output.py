@@ -110,6 +110,19 @@ def _stage_text(stage: dict) -> str:
             f"{stage['in_flight_micro_batches']} in flight): {format_bytes(stage['peak_bytes'])}")
 
 
+def _worst_stage_lines(stages) -> list[str]:
+    """What a pp plan's terms (its worst stage's one micro-step) leave out of its peak."""
+    if not stages:
+        return []
+    worst = max(stages, key=lambda stage: stage["peak_bytes"])
+    return [f"  (the terms are stage {worst['stage']}'s one micro-step, "
+            f"{format_bytes(worst['one_micro_batch_bytes'])}; its peak "
+            f"{format_bytes(worst['peak_bytes'])} also holds "
+            f"{worst['in_flight_micro_batches']} micro-batches in flight "
+            f"({format_bytes(worst['saved_activation_bytes'])} of saved activations each) "
+            f"and {format_bytes(worst['p2p_buffer_bytes'])} of point-to-point buffers)"]
+
+
 def advise_dict(base: Baseline, result: SearchResult, hw: Hardware) -> dict:
     return {
         "budget_bytes": result.budget_bytes,
@@ -202,6 +215,7 @@ def advise_text(data: dict) -> str:
         best = data["plans"][best_index]
         lines += ["", f"best: {best['plan_compact']}"]
         lines += [f"  {term}" for term in best["terms"]]
+        lines += _worst_stage_lines(best.get("pipeline_stages"))
         lines.append("  changes: " + "; ".join(best["changes"]))
     if any(plan.get("pipeline_stages") for plan in data["plans"]):
         lines += ["", "pp plans: the peak is the worst stage's (each stage's below its plan); "

@@ -159,6 +159,8 @@ def test_advise_shows_a_pp_plan_with_its_stages(trace_path, base, capsys):
     assert rows and "pp=2" in rows[0]
     assert "stage 0 (blocks 0-1, " in text and "stage 1 (blocks 2-3, 1 in flight)" in text
     assert "pipeline parallel over 2 stages (1f1b" in text
+    # the terms shown are one micro-step's: the line after them says what the peak adds
+    assert "(the terms are stage 0's one micro-step" in text and "in flight (" in text
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     best = data["plans"][data["best"]]
