@@ -459,10 +459,11 @@ def _pipeline_problems(plan: Plan) -> Iterable[str]:
                "cut along the sequence): drop sp, or pp")
     model_ranks = pp * max(plan.tp, 1)  # one pipeline: P stages of tp ranks each
     alone = f"pp x tp = {model_ranks}" if plan.tp > 1 else f"pp={pp}"
-    if plan.shard not in ("none", "ddp", "zero2", "zero3") or plan.hybrid is not None:
+    if plan.shard not in ("none", "ddp", "zero1", "zero2", "zero3") or plan.hybrid is not None:
         yield (f"pp={pp} with shard={plan.shard}{'' if plan.hybrid is None else ',hybrid'} is "
                f"not supported yet: a pipeline runs alone (world={pp}) or beside copies of "
-               f"itself with shard=ddp|zero2|zero3 (world = pp x replicas)")
+               f"itself with shard=ddp|zero1|zero2|zero3 (world = pp x replicas; the replicas "
+               f"of a stage are its data-parallel group)")
     elif plan.shard != "none" and (plan.world % model_ranks or plan.world == model_ranks):
         yield (f"pp={pp} with shard={plan.shard} runs world / ({alone}) pipelines side by side: "
                f"world must be a multiple of {model_ranks} with at least 2 of them "

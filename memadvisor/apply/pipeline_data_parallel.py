@@ -13,6 +13,7 @@ backwards itself).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,30 @@ def shard_blocks(module, blocks: list, plan: Plan, groups: Groups, optimizer) ->
     after = dict(module.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [after[names[id(p)]] for p in group["params"]]
+
+
+def unsharded_optimizer_plan(plan: Plan) -> Plan:
+    """The plan to build the optimizer by before a pipeline cuts the model: ``zero1``'s
+    ZeroRedundancyOptimizer must partition the stage's parameters, not the model's, so it
+    is built afterwards (``shard_optimizer``)."""
+    if plan.pp > 1 and plan.shard == "zero1":
+        return dataclasses.replace(plan, shard="ddp")
+    return plan
+
+
+def shard_optimizer(optimizer, original, plan: Plan, groups: Groups):
+    """``zero1``: the optimizer over this rank's stage (its groups already cut) rebuilt as a
+    ZeroRedundancyOptimizer over the stage's data-parallel replicas: each steps its share
+    of the stage's parameters and broadcasts them (the gradients were averaged in place
+    after the schedule, ``average_gradients``)."""
+    if plan.shard != "zero1" or plan.pp <= 1:
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from .optimizers import optimizer_spec
+    cls, defaults = optimizer_spec(original, plan)
+    param_groups = [dict(group) for group in optimizer.param_groups if group["params"]]
+    return ZeroRedundancyOptimizer(param_groups, optimizer_class=cls,
+                                   process_group=groups.data_parallel, **defaults)
 
 
 def average_gradients(parameters, plan: Plan, groups: Groups) -> None:

@@ -141,13 +141,17 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
 
     new_params = dict(module.named_parameters())
     shard_group = sharding.optimizer_shard_group(plan) if plan.shard == "zero1" else None
-    new_optimizer = optimizers.build_optimizer(optimizer, plan, new_params, names_by_id,
+    # a pipeline shards the optimizer state over a stage's replicas once it holds the stage
+    build_plan = pipeline_data_parallel.unsharded_optimizer_plan(plan)
+    new_optimizer = optimizers.build_optimizer(optimizer, build_plan, new_params, names_by_id,
                                                shard_group)
     if plan.tp > 1:
         tensor_parallel.without_foreach(new_optimizer)
     if plan.pp > 1:  # after the optimizer is built over every parameter: then cut
         wrapped = pipeline_parallel.apply_pipeline(module, new_optimizer, plan, ranks.rank,
                                                    device_type)
+        new_optimizer = pipeline_data_parallel.shard_optimizer(new_optimizer, optimizer, plan,
+                                                               wrapped.groups)
     scaler = (_sessions[0].scaler if _sessions
               else precision.make_grad_scaler(plan, device_type))
     _session = Session(plan, module, wrapped, new_optimizer, ranks, parameter_names, scaler,

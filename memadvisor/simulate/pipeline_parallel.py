@@ -278,11 +278,11 @@ def _peak_over_backwards(terms: list[dict], actions, virtual: int,
 
 
 def _without_ddp_bucket(timeline: Timeline, plan: Plan) -> Timeline:
-    """Under ``pp`` x ``shard=ddp`` apply averages each gradient over the replicas in place
-    after the schedule (apply/pipeline_data_parallel.py), with no DDP and so no gradient
-    bucket: the bucket row ``sharding.shard_additions`` appends for ddp (the last row,
-    alive through the step) is dropped."""
-    if plan.shard != "ddp" or not len(timeline):
+    """Under ``pp`` x ``shard=ddp|zero1`` apply averages each gradient over the replicas in
+    place after the schedule (apply/pipeline_data_parallel.py), with no DDP and so no
+    gradient bucket: the bucket row ``sharding.shard_additions`` appends for ddp and zero1
+    (the last row, alive through the step) is dropped."""
+    if plan.shard not in ("ddp", "zero1") or not len(timeline):
         return timeline
     last = len(timeline) - 1
     if not (timeline.category[last] == _OTHER and timeline.alloc_key[last] == -1.0

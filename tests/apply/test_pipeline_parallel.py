@@ -54,7 +54,6 @@ def test_interleaved_knobs_default_to_two_stages_per_rank():
     ("pp=2,tp=2,sp", "with tp=2,sp is not supported yet"),
     ("pp=2,tp=2,shard=ddp,world=4", "world must be a multiple of 4 with at least 2 of them"),
     ("pp=2,tp=2,shard=zero1,world=8", "shard=zero1 is not supported"),
-    ("pp=2,world=4,shard=zero1", "shard=zero1 is not supported"),
     ("pp=2,world=4,shard=zero3,schedule=interleaved", "interleaved is not supported yet"),
     ("pp=2,world=2,shard=zero2", "world must be a multiple of 2 with at least 2 of them"),
     ("pp=2,world=2,shard=ddp", "world must be a multiple of 2 with at least 2 of them"),
@@ -245,11 +244,14 @@ def test_interleaved_on_two_ranks_trains_as_the_unmodified_run(tmp_path):
 def test_pp_with_ddp_on_four_ranks_trains_as_the_unmodified_run(tmp_path):
     """2 pipelines x 2 stages (gloo, 4 processes): each replica's gradients (M parts of its
     half) averaged over the 2 replicas -- all-reduced (ddp) or reduce-scattered to shards of
-    each stage's blocks and of the layers outside the stack (zero2, zero3): the same math in
+    each stage's blocks and of the layers outside the stack (zero2, zero3), or all-reduced
+    and each replica stepping its share of the stage's parameters (zero1): the same math in
     replicas x M parts.  gpt_lm clips the gradient norm: the shards' squares are summed over
     the replicas (before, zero2 missed that and was 160x over this tolerance)."""
     jobs = [(GPT, "pp=2,shard=ddp,world=4", GPT4_ARGS),
             (GPT, "pp=2,shard=ddp,world=4,schedule=interleaved", GPT4_ARGS),
+            (GPT, "pp=2,shard=zero1,world=4", GPT4_ARGS),
+            (GPT, "pp=2,shard=zero1,world=4,schedule=interleaved", GPT4_ARGS),
             (GPT, "pp=2,shard=zero2,world=4", GPT4_ARGS),
             (GPT, "pp=2,shard=zero3,world=4", GPT4_ARGS)]
     results = run_distributed(jobs, 4, tmp_path)

@@ -219,13 +219,16 @@ def test_interleaved_predicted_peak_per_rank_against_apply_profile(gpt4, plan):
 @pytest.mark.slow
 @pytest.mark.parametrize("script, plan", [
     ("gpt4", "pp=2,tp=2,world=4"), ("gpt4", "pp=2,tp=2,schedule=interleaved"),
-    ("gpt4", "pp=2,tp=2,shard=zero3,world=8"), ("llama", "pp=2,tp=2,world=4")])
-def test_pp_with_tp_predicted_per_rank_against_apply_profile(script, plan, request):
-    """pp x tp (a (dp, pp, tp) mesh): each rank's measured peak against its stage's
-    prediction, tensor parallelism's split applied to the timeline before the stages are
-    cut; the tp ranks of one stage (and its replicas) measure the same (apply drains the
-    gloo groups within a stage).  Measured 2026-11-26: gpt_lm 4 layers +0.41/+0.44%,
-    interleaved +0.39/+0.38%, zero3 world=8 -0.06/+1.25%."""
+    ("gpt4", "pp=2,tp=2,shard=zero3,world=8"), ("llama", "pp=2,tp=2,world=4"),
+    ("gpt4", "pp=2,shard=zero1,world=4")])
+def test_pp_composed_predicted_per_rank_against_apply_profile(script, plan, request):
+    """pp x tp (a (dp, pp, tp) mesh), pp x zero1: each rank's measured peak against its
+    stage's prediction, tensor parallelism's split applied to the timeline before the
+    stages are cut; the tp ranks of one stage (and its FSDP replicas) measure the same
+    (apply drains the gloo groups within a stage; zero1's replicas own different shares).
+    Measured 2026-11-26: gpt_lm 4 layers +0.41/+0.44%, interleaved +0.39/+0.38%, zero3
+    world=8 -0.06/+1.25%, llama -1.07/-0.01%, zero1 -0.05..+0.04% (before dropping DDP's
+    bucket, which a pipeline does not make: +39.5% on stage 0)."""
     trace, folder = request.getfixturevalue(script)
     path, args = (GPT, [*GPT4_ARGS, "--steps", "5"]) if script == "gpt4" else (LLAMA, LLAMA_ARGS)
     parsed = Plan.parse(plan)
@@ -244,7 +247,8 @@ def test_pp_with_tp_predicted_per_rank_against_apply_profile(script, plan, reque
         assert abs(predicted - measured[rank]) / measured[rank] <= ANALYTIC_TARGET, \
             (plan, rank, predicted, measured[rank])
         first_of_stage = stage * parsed.tp
-        assert measured[rank] == measured[first_of_stage], (plan, rank, measured)
+        if parsed.shard != "zero1":
+            assert measured[rank] == measured[first_of_stage], (plan, rank, measured)
 
 
 def test_pp_with_ddp_predicts_each_replica_as_a_pipeline_on_its_slice(gpt):
