@@ -219,8 +219,7 @@ def advise_text(data: dict) -> str:
         lines.append("  changes: " + "; ".join(best["changes"]))
     if any(plan.get("pipeline_stages") for plan in data["plans"]):
         lines += ["", "pp plans: the peak is the worst stage's (each stage's below its plan); "
-                      "no allocator model per stage (reserved '-': the fit is the peak's), "
-                      "no largest micro-batch"]
+                      "no allocator model per stage (reserved '-': the fit is the peak's)"]
     if data["max_micro_batch"]:
         lines.append("")
         lines.append("largest micro-batch per rank that fits (analytic: not executed):")

@@ -236,11 +236,10 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     # (base.warnings says so)
     # nor a batch whose size counts nodes or tokens (``ragged_batch``)
     shown = [] if base.batch_coupled or base.ragged_batch else ranked[:3]
-    # not for a pp plan: ``max_micro_batch`` bisects the whole model's timeline, not the
-    # worst stage's (``pipeline_parallel.stage_peaks``) -- no answer rather than a wrong one
-    shown = [p for p in shown if p.plan.pp == 1]
     sizes = _in_layout_order(base, hw, [p.plan for p in shown], cache, stage_keys,
-                             lambda plan: max_micro_batch(
+                             lambda plan: _pipeline_micro_batch(
+                                 base, plan, hw, usable, cache) if plan.pp > 1 else
+                             max_micro_batch(
                                  base, plan, hw, usable, cache=cache,
                                  # the bounds know nothing of tp: their layout key does not
                                  # hold it, so a tp plan would get its twin's bounds
@@ -258,6 +257,29 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
                         f"on {gpus} GPU(s){need}: raise --budget, add --gpus{hint}")
     return SearchResult(ranked, rejected, too_big, len(plans), budget_bytes, usable, best,
                         cpu_seconds)
+
+
+#: replays at most for a pp plan's largest micro-batch (``_pipeline_micro_batch``)
+PIPELINE_SIZE_RUNS = 8
+
+
+def _pipeline_micro_batch(base: Baseline, plan: Plan, hw: Hardware, usable_bytes: int,
+                          cache: dict) -> int:
+    """The largest pipeline micro-batch of a pp plan (shown, so its own fits) whose worst
+    stage fits, each size replayed by ``simulate`` (``max_micro_batch`` bisects the whole
+    model's timeline, not a stage's): doubling from the plan's own, then halving the gap,
+    at most ``PIPELINE_SIZE_RUNS`` replays -- the largest size verified, smaller than the
+    true answer at worst, never one that does not fit.  A pp plan's reserved figure is its
+    peak (no allocator model per stage), so the peak decides."""
+    low, high = plan.micro_batch_size(base.batch_size), None
+    for _ in range(PIPELINE_SIZE_RUNS):
+        if high is not None and high - low <= 1:
+            break
+        size = 2 * low if high is None else (low + high) // 2
+        peak = simulate(base, plan, hw, micro_batch=size, run_allocator=False, cache=cache,
+                        categories=False).peak_bytes
+        low, high = (size, high) if peak <= usable_bytes else (low, size)
+    return low
 
 
 def group_by_layout(base: Baseline, hw: Hardware, plans: list[Plan], cache: dict

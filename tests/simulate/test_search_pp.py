@@ -65,8 +65,22 @@ def test_a_pp_plan_fits_where_no_plan_without_pp_does(base):
     assert best.peak_bytes == max(s["peak_bytes"] for s in
                                   exact.notes["pipeline_parallel"]["stages"])
     assert best.step_time_factor == pytest.approx(exact.step_time_factor)
-    # no largest micro-batch for a pp plan (max_micro_batch knows no stages)
-    assert best.plan.to_compact() not in result.max_micro_batch
+    # its largest micro-batch: the worst stage's peak replayed (max_micro_batch knows no
+    # stages), here as tight as the plan's own
+    assert result.max_micro_batch[best.plan.to_compact()] == best.micro_batch_size
+
+
+def test_a_pp_plans_largest_micro_batch_is_its_worst_stages(base):
+    hw = hardware("cpu")
+    usable = 4_000_000  # about 1.5x the leanest pp plan's 2.5 MB
+    result = advise(base, hw, usable, 2, margin=0.0, objective="memory")
+    pipelined = [p.plan for p in _pp(result.ranked[:3])]
+    assert pipelined
+    for plan in pipelined:
+        size = result.max_micro_batch[plan.to_compact()]
+        assert size > plan.micro_batch_size(base.batch_size)
+        assert simulate(base, plan, hw, micro_batch=size).peak_bytes <= usable
+        assert simulate(base, plan, hw, micro_batch=size + 1).peak_bytes > usable
 
 
 def test_the_step_time_holds_the_bubble(base):
