@@ -474,16 +474,18 @@ def communication_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: floa
     if plan.shard == "none" or plan.world <= 1:
         return 0.0
     group = plan.shard_group_size
-    world = plan.world
+    # the ranks that hold copies of what this rank holds (tp and pp ranks hold other parts)
+    replicas_all = plan.data_parallel_size
     ring = lambda n: (n - 1) / n if n > 1 else 0.0
     if plan.shard in ("ddp", "zero1"):
-        volume = 2 * gradient_bytes * ring(world)  # all-reduce
+        volume = 2 * gradient_bytes * ring(replicas_all)  # all-reduce
         if plan.shard == "zero1":
-            volume += parameter_bytes * ring(world)  # broadcast of updated shards
+            volume += parameter_bytes * ring(replicas_all)  # broadcast of updated shards
         return volume
     gathers = 1 if plan.shard == "zero2" else 2
     volume = gathers * parameter_bytes * ring(group) + gradient_bytes * ring(group)
     if plan.hybrid:
-        replicas = world // group
+        replicas = replicas_all // group
         volume += 2 * (gradient_bytes / group) * ring(replicas)  # all-reduce across groups
-    return volume * plan.accum
+    # FSDP's hooks run per pipeline micro-batch too (apply/pipeline_data_parallel.py)
+    return volume * plan.accum * plan.pipeline_microbatches

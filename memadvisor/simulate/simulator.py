@@ -360,7 +360,8 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
                                     result.out_of_memory)
     elif hw.device_type == "cpu":
         allocated = reserved = peak.bytes  # the CPU allocator does not cache
-    cost = _cost(base, plan, hw, regions, host.get("activations_peak", 0.0))
+    cost = _cost(base, plan, hw, regions, host.get("activations_peak", 0.0),
+                 _model_share(plan, notes))
     if plan.tp > 1:
         cost = _with_tensor_parallel_time(cost, notes, plan, hw)
     if plan.pp > 1:
@@ -370,11 +371,25 @@ def simulate(base: Baseline, plan: Plan, hw: Hardware | None = None, *,
                       host, notes, regions, timeline, oom)
 
 
+def _model_share(plan: Plan, notes: dict) -> float:
+    """The share of the model's parameters (and gradients) a rank's data-parallel
+    collectives carry: tensor parallelism's split of them, the busiest stage's blocks and
+    the layers every stage keeps under a pipeline."""
+    share = 1.0
+    if plan.tp > 1:
+        share *= notes.get("tensor_parallel", {}).get("gradient_share", 1.0)
+    if plan.pp > 1:
+        stages = notes.get("pipeline_parallel", {}).get("stages", [])
+        share *= max((s["parameter_share"] for s in stages), default=1.0)
+    return share
+
+
 def _cost(base: Baseline, plan: Plan, hw: Hardware, regions: list[str],
-          offloaded_activation_bytes: float) -> Cost:
+          offloaded_activation_bytes: float, model_share: float = 1.0) -> Cost:
     """The plan's step-time cost; ``offloaded_activation_bytes``: what ``save_on_cpu``
-    moves per micro-step (the host's activation bytes)."""
-    parameter_bytes = _model_parameter_bytes(base, plan)
+    moves per micro-step (the host's activation bytes); ``model_share``: of the model's
+    parameters, what a rank holds and communicates (``_model_share``)."""
+    parameter_bytes = _model_parameter_bytes(base, plan) * model_share
     meta = base.meta
     count = float(meta.trainable_parameter_count or meta.parameter_count
                   or (meta.parameter_bytes or 0) / 4)

@@ -158,8 +158,16 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules,
         "all_gather_bytes_forward": vocabulary_bytes["all_gather_forward"],
         "communication_bytes_per_micro_step": ring * (forward_bytes + backward_bytes)
         + (tp - 1) / tp * vocabulary_bytes["all_gather_forward"],
+        # what a rank's data-parallel collectives carry of the model's gradients
+        "gradient_share": _split_share(timeline, category == _GRADIENT, factor),
         "sequence_parallel": plan.sp})
     return out, notes
+
+
+def _split_share(timeline: Timeline, rows: np.ndarray, factor: np.ndarray) -> float:
+    """The share of ``rows``' bytes a rank keeps after the split (1.0 without rows)."""
+    total = float(timeline.size[rows].sum())
+    return float((timeline.size[rows] * factor[rows]).sum()) / total if total > 0 else 1.0
 
 
 def _split_gradient_rows(timeline: Timeline, styles: dict[str, str]) -> np.ndarray:

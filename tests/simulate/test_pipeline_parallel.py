@@ -281,3 +281,29 @@ def test_interleaved_p2p_buffers_and_the_gradient_of_a_stage_output(gpt4):
     one_f = simulate(base, Plan.parse("pp=2")).notes["pipeline_parallel"]["stages"]
     assert one_f[0]["p2p_buffer_bytes"] == 2 * stream
     assert one_f[1]["p2p_buffer_bytes"] == (2 + 1) * stream
+
+
+def test_data_parallel_traffic_under_pp_and_tp_is_a_ranks_share_over_its_replicas(gpt4):
+    """Under pp / tp a rank all-reduces (or gathers) its own part of the model over its D
+    replicas, not the whole model over the world: before, the ddp term of pp=2,shard=ddp,
+    world=4 counted every gradient of the model, ring over 4."""
+    from memadvisor.simulate.sharding import communication_bytes
+    from memadvisor.simulate.simulator import _model_share
+    trace, _ = gpt4
+    base = prepare(trace)
+    plan = Plan.parse("pp=2,shard=ddp,world=4")
+    prediction = simulate(base, plan)
+    share = _model_share(plan, prediction.notes)
+    stages = prediction.notes["pipeline_parallel"]["stages"]
+    assert share == max(s["parameter_share"] for s in stages) < 0.7
+    gradients = 1000.0
+    assert communication_bytes(plan, gradients, gradients) == 2 * gradients * (1 / 2)
+    assert communication_bytes(Plan.parse("shard=ddp,world=4"), gradients, gradients) == \
+        2 * gradients * (3 / 4)
+    # FSDP's hooks run per pipeline micro-batch
+    zero3 = Plan.parse("pp=2,shard=zero3,world=4,microbatches=4")
+    assert communication_bytes(zero3, gradients, gradients) == \
+        4 * communication_bytes(Plan.parse("shard=zero3,world=2"), gradients, gradients)
+    tp = Plan.parse("tp=2,shard=zero3,world=4")
+    tp_share = _model_share(tp, simulate(base, tp).notes)
+    assert 0.5 <= tp_share < 0.75  # blocks and vocabulary split, norms and positions whole
