@@ -128,8 +128,8 @@ def tensor_parallel_candidates(base: Baseline, gpus: int, allow: set[str], hw: H
 def pipeline_parallel_candidates(base: Baseline, gpus: int, allow: set[str], hw: Hardware
                                  ) -> list[tuple[Plan, Plan]]:
     """(pp plan, its twin) for every pp plan ``advise`` could propose: ``pp=P,world=P`` when
-    the GPUs are P, else ``pp=P,shard=ddp|zero2|zero3,world=GPUs`` (GPUs/P pipelines side
-    by side), for P in ``MODEL_PARALLEL_DEGREES`` dividing the GPUs and at most the
+    the GPUs are P, else ``pp=P,shard=ddp|zero1|zero2|zero3,world=GPUs`` (GPUs/P pipelines
+    side by side), for P in ``MODEL_PARALLEL_DEGREES`` dividing the GPUs and at most the
     model's repeated blocks (``base.blocks``, the stack apply and simulate cut into
     stages), schedule 1F1B with M = P, 2P, 4P micro-batches dividing a pipeline's batch,
     crossed with precision, checkpoint and optimizer.  The twin: the same plan without pp
@@ -151,7 +151,7 @@ def pipeline_parallel_candidates(base: Baseline, gpus: int, allow: set[str], hw:
     for pp, pipelines in _degrees(gpus, batch):
         if pp > len(base.blocks):
             continue
-        shards = ["ddp", "zero2", "zero3"] if pipelines > 1 else ["none"]
+        shards = ["ddp", "zero1", "zero2", "zero3"] if pipelines > 1 else ["none"]
         counts = [pp * k for k in MICROBATCHES_PER_STAGE if (batch // pipelines) % (pp * k) == 0]
         for shard, precision, checkpoint, microbatches, optimizer in itertools.product(
                 shards, _precisions(allow, hw), _checkpoint_choices(base), counts, optimizers):
