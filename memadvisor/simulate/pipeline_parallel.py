@@ -135,7 +135,11 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     # outside the stack: made before the blocks' forward or after their backward (embedding
     # and its gradient) -> first stage; between (final norm, head, loss, their backward)
     # -> last stage.  Rows of other phases (optimizer, before the step) stay everywhere.
-    activity = forward | backward
+    # (what the process keeps from before the step to its end outside any module -- cuBLAS's
+    # workspaces on a CUDA target -- every stage's process has: it stays everywhere too)
+    activity = (forward | backward) & ~((timeline.category == _OTHER) & outside
+                                        & (timeline.alloc_key < 0)
+                                        & (timeline.free_key >= timeline.n_events))
     pre = outside & activity & ((timeline.alloc_key < first_block_key)
                                 | (timeline.alloc_key > last_backward_key))
     post = outside & activity & ~pre
