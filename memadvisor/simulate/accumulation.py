@@ -67,6 +67,14 @@ def accumulated_peak(timeline: Timeline, accum: int, categories: bool = True):
     a reassigned output frees its predecessor).  After the last micro-step memory is what
     it is after the first.  Returns a ``replay.Peak`` (``by_category`` empty unless
     ``categories``)."""
+    return first_and_accumulated_peaks(timeline, accum, categories)[1]
+
+
+def first_and_accumulated_peaks(timeline: Timeline, accum: int, categories: bool = True,
+                                first_categories: bool = False):
+    """(the timeline's own peak, ``accumulated_peak``), from one pass over its events: the
+    first is the recorded micro-step's (``timeline.peak()``'s figure; ``by_category``
+    only with ``first_categories``)."""
     from .replay import Peak
 
     order = timeline.order()
@@ -75,6 +83,7 @@ def accumulated_peak(timeline: Timeline, accum: int, categories: bool = True):
     curve = np.cumsum(signed)
     at = int(np.argmax(curve)) if len(curve) else -1
     best = (int(round(float(curve[at]))) if at >= 0 else 0, at, 0.0, None)
+    first = _first_peak(timeline, order, best, first_categories)
     keys = segment_keys(timeline) if accum > 1 else None
     if keys is not None:
         start, end = keys
@@ -96,10 +105,10 @@ def accumulated_peak(timeline: Timeline, accum: int, categories: bool = True):
                         (released, outliving, row[m]))
     value, position, spike, middle_info = best
     if position < 0:
-        return Peak(0, -1.0, {})
+        return first, Peak(0, -1.0, {})
     key = float(timeline.event_keys(order[position:position + 1])[0])
     if not categories:
-        return Peak(value, key, {})
+        return first, Peak(value, key, {})
     alive = timeline.alive_rows(0, upto_sorted=position)
     if middle_info is not None:
         released, outliving, spike_row = middle_info
@@ -108,6 +117,20 @@ def accumulated_peak(timeline: Timeline, accum: int, categories: bool = True):
     if spike:
         category = schema.CATEGORIES[int(timeline.category[middle_info[2]])]
         by_category[category] = by_category.get(category, 0) + int(round(spike))
+    return first, Peak(value, key, by_category)
+
+
+def _first_peak(timeline: Timeline, order: np.ndarray, best: tuple, categories: bool):
+    """The recorded micro-step's peak as a ``replay.Peak`` from ``best`` (its value and
+    sorted position)."""
+    from .replay import Peak
+
+    value, position = best[0], best[1]
+    if position < 0:
+        return Peak(0, -1.0, {})
+    key = float(timeline.event_keys(order[position:position + 1])[0])
+    by_category = (timeline.bytes_by_category(timeline.alive_rows(0, upto_sorted=position))
+                   if categories else {})
     return Peak(value, key, by_category)
 
 

@@ -65,7 +65,7 @@ import numpy as np
 from ..plan import Plan, PlanError, pipeline_stage_ranges
 from ..trace import schema
 from . import pipeline_schedule, pipeline_sharding
-from .accumulation import accumulated_peak
+from .accumulation import accumulated_peak, first_and_accumulated_peaks
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 
 _FORWARD, _BACKWARD = PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD]
@@ -166,7 +166,8 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     virtual = plan.pipeline_stages_per_rank
     micro_batches = plan.pipeline_microbatches
 
-    def stage_terms(stage: int, held: float, collectives_held: bool = False) -> dict:
+    def stage_terms(stage: int, held: float, collectives_held: bool = False,
+                    first: bool = False) -> dict:
         """One stage's rows on the rank's timeline: its one micro-step, M accumulated, its
         saved activations and the gradients it makes (per micro-batch).
         ``collectives_held``: FSDP's buffers held by gloo's worker until the next
@@ -191,7 +192,9 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         own_gradients = (timeline.category == _GRADIENT) & made_in_step & (
             mine | (pre if stage == 0 else False) | (tied if stage == num_stages - 1
                                                      else False))
-        return {"one": local.peak(), "accumulated": accumulated_peak(local, micro_batches),
+        one, accumulated = first_and_accumulated_peaks(local, micro_batches, categories=False,
+                                                       first_categories=first)
+        return {"one": one, "accumulated": accumulated,
                 "saved": float(sizes[forward & (timeline.free_key > backward_start)
                                      & (timeline.category == _ACTIVATION)].sum()),
                 "gradients": float(sizes[own_gradients].sum())}
@@ -200,7 +203,8 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     for rank in range(plan.pp):
         mine_stages = list(range(rank, num_stages, plan.pp))  # torch's loop placement
         held = outside_share + sum(block_share[i] for g in mine_stages for i in ranges[g])
-        terms = [stage_terms(g, held) for g in mine_stages]
+        # the rank's first stage's one micro-step is what the output breaks down by category
+        terms = [stage_terms(g, held, first=(g == mine_stages[0])) for g in mine_stages]
         actions = pipeline_schedule.rank_actions(plan.schedule, plan.pp, virtual,
                                                  micro_batches, rank)
         # torch's runtime for several stages per rank (_PipelineScheduleRuntime) waits on

@@ -114,18 +114,28 @@ def twin_stages(base: Baseline, hw: Hardware, gpus: int, allow: set[str], object
 
 def add_model_parallel(base: Baseline, hw: Hardware, gpus: int, allow: set[str],
                        objective: str, plans: list[Plan], outcomes: list, cache: dict,
-                       stage_keys: set, keep=None, held: TwinStages | None = None
-                       ) -> list[Plan]:
+                       stage_keys: set, keep=None, held: TwinStages | None = None,
+                       usable_bytes: int | None = None, shown: int = 10,
+                       ruled_out: list | None = None) -> list[Plan]:
     """Append to ``plans`` and ``outcomes`` the tensor- and pipeline-parallel plans worth
     replaying, with their exact predictions (``simulate`` without the allocator model; the
     layout bounds know nothing of tp or pp).  Per degree at most ``EXACT_PER_DEGREE``,
     chosen from their twins' fast-pass figures (``outcomes`` of the plans without tp or
     pp, as ``candidates.estimated`` places them) and no budget: ``_front_picks``.  A plan
-    whose twin is not a candidate (GPUs/degree not a candidate world) is not tried."""
+    whose twin is not a candidate (GPUs/degree not a candidate world) is not tried.  With
+    ``usable_bytes`` (advise's budget) a degree is not replayed where ``shown`` plans without
+    model parallelism surely fit and its twins say none of the degree's plans can rank
+    among them (the list advise shows, and the dashboard's, stay the same): a replay per
+    stage costs what a fast pass of hundreds of plans does.  The picks left out are
+    appended to ``ruled_out`` (they count as evaluated: by their twins)."""
     pairs = held.pairs if held is not None else model_parallel_candidates(base, gpus, allow, hw)
     if not pairs:
         return []
-    chosen = _front_picks(pairs, _priced_twins(plans, outcomes, pairs), rank_key(objective), hw)
+    key = rank_key(objective)
+    bar = (_surely_fitting_nth(plans, outcomes, usable_bytes, key, shown)
+           if usable_bytes is not None and objective != "memory" else None)
+    chosen = _front_picks(pairs, _priced_twins(plans, outcomes, pairs), key, hw, bar,
+                          ruled_out if ruled_out is not None else [])
 
     def exact(plan: Plan):
         if held is not None:
@@ -154,12 +164,33 @@ def _priced_twins(plans: list[Plan], outcomes: list, pairs: list[tuple[Plan, Pla
             and outcome is not None and not isinstance(outcome, tuple)}
 
 
+#: a fast-pass peak this far under the budget fits once the allocator model has rounded it
+#: into blocks and segments too (reserved over allocated, with room)
+SURE_FIT = 1.15
+#: how much better than its twins' estimate a model-parallel plan may turn out, in the
+#: objective (tp's all-reduces are left out of it; a stage holds less than its twin)
+ESTIMATE_SLACK = 1.10
+
+
+def _surely_fitting_nth(plans: list[Plan], outcomes: list, usable_bytes: int, key,
+                        n: int):
+    """The objective (``key``'s first figure) of the ``n``-th best plan so far whose peak
+    fits ``usable_bytes`` with ``SURE_FIT`` to spare; None if fewer than ``n`` do."""
+    figures = sorted(key(outcome)[0] for outcome in outcomes
+                     if outcome is not None and not isinstance(outcome, tuple)
+                     and outcome.peak_bytes * SURE_FIT <= usable_bytes)
+    return figures[n - 1] if n >= 1 and len(figures) >= n else None
+
+
 def _front_picks(pairs: list[tuple[Plan, Plan]], priced: dict[str, Prediction], key,
-                 hw: Hardware) -> list[Plan]:
+                 hw: Hardware, bar: float | None = None, ruled_out: list | None = None
+                 ) -> list[Plan]:
     """Per degree (tp, then pp, each ascending), ``EXACT_PER_DEGREE`` plans from the
     Pareto front of the objective against peak bytes that their priced twins make: its
     best plan, its leanest and evenly between -- so any budget finds the plan its twins
-    say fits best."""
+    say fits best.  A degree whose best estimate is worse than ``bar`` (a surely fitting
+    plan's objective) by more than ``ESTIMATE_SLACK`` is left out (its picks appended to
+    ``ruled_out``)."""
     env = Environment(device_type=hw.device_type, bf16_supported=hw.bf16,
                       fp16_supported=hw.fp16, bitsandbytes_available=True)
     by_degree: dict[tuple[int, int], list] = {}
@@ -170,15 +201,26 @@ def _front_picks(pairs: list[tuple[Plan, Plan]], priced: dict[str, Prediction], 
     chosen: list[Plan] = []
     for entries in by_degree.values():  # in the pairs' order: tp's degrees, then pp's
         entries.sort(key=lambda entry: key(entry[1]))
-        front = []
-        for entry in entries:
-            if not front or entry[1].peak_bytes < front[-1][1].peak_bytes:
-                front.append(entry)
-        last = len(front) - 1
-        picks = sorted({round(i * last / max(EXACT_PER_DEGREE - 1, 1))
-                        for i in range(EXACT_PER_DEGREE)})
-        chosen += [front[i][0] for i in picks]
+        picks = _even_picks(entries)
+        if bar is not None and key(entries[0][1])[0] > bar * ESTIMATE_SLACK:
+            if ruled_out is not None:
+                ruled_out += picks
+            continue
+        chosen += picks
     return chosen
+
+
+def _even_picks(entries: list) -> list[Plan]:
+    """``EXACT_PER_DEGREE`` plans of ``entries`` (sorted by the objective): the ends of their
+    Pareto front of the objective against peak bytes and evenly between."""
+    front = []
+    for entry in entries:
+        if not front or entry[1].peak_bytes < front[-1][1].peak_bytes:
+            front.append(entry)
+    last = len(front) - 1
+    picks = sorted({round(i * last / max(EXACT_PER_DEGREE - 1, 1))
+                    for i in range(EXACT_PER_DEGREE)})
+    return [front[i][0] for i in picks]
 
 
 def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
@@ -198,12 +240,13 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
     started = time.process_time()
     plans = candidate_plans(base, gpus, allow, hw)
     cache: dict = {}
+    ruled_out: list[Plan] = []  #: model-parallel picks their twins' estimates ruled out
     outcomes, by_layout = group_by_layout(base, hw, plans, cache)
     watch = twin_stages(base, hw, gpus, allow, objective, plans, outcomes)
     stage_keys = fast_pass(base, hw, plans, by_layout, cache, outcomes, watch=watch)
     cpu_seconds = {"fast pass": time.process_time() - started}
     add_model_parallel(base, hw, gpus, allow, objective, plans, outcomes, cache, stage_keys,
-                       held=watch)
+                       held=watch, usable_bytes=usable, shown=top, ruled_out=ruled_out)
     cpu_seconds["model parallel"] = time.process_time() - started - cpu_seconds["fast pass"]
     for outcome in outcomes:  # in candidate order, as ties in the ranking are broken
         if isinstance(outcome, tuple):
@@ -255,8 +298,8 @@ def advise(base: Baseline, hw: Hardware, budget_bytes: int, gpus: int = 1, *,
         hint = "" if allow >= set(SEMANTIC) else " or --allow bf16,optimizer"
         raise UserError(f"no plan fits {format_bytes(budget_bytes)} with a {margin:.0%} margin "
                         f"on {gpus} GPU(s){need}: raise --budget, add --gpus{hint}")
-    return SearchResult(ranked, rejected, too_big, len(plans), budget_bytes, usable, best,
-                        cpu_seconds)
+    return SearchResult(ranked, rejected, too_big, len(plans) + len(ruled_out), budget_bytes,
+                        usable, best, cpu_seconds)
 
 
 #: replays at most for a pp plan's largest micro-batch (``_pipeline_micro_batch``)
