@@ -454,9 +454,6 @@ def _pipeline_problems(plan: Plan) -> Iterable[str]:
             yield (f"schedule=interleaved with pp={pp} runs max(1, M // P) = {rounds} rounds "
                    f"of micro-batches, which must divide microbatches={m}: use a multiple of "
                    f"{pp} or fewer than {2 * pp}")
-    if plan.tp > 1 and plan.sp:
-        yield (f"pp={pp} with tp={plan.tp},sp is not supported yet (a stage's stream would travel "
-               "cut along the sequence): drop sp, or pp")
     model_ranks = pp * max(plan.tp, 1)  # one pipeline: P stages of tp ranks each
     alone = f"pp x tp = {model_ranks}" if plan.tp > 1 else f"pp={pp}"
     if plan.shard not in ("none", "ddp", "zero1", "zero2", "zero3") or plan.hybrid is not None:

@@ -147,6 +147,10 @@ class PipelineModel(nn.Module):
         self.position = None
         self.with_loss_function = None  #: whether the first step came with a loss function
         self.dry_run = False
+        #: under ``sp``: (cut, whole) of the stream along the sequence (tensor_parallel.py);
+        #: the stream between stages travels cut, so the dry run enters and leaves this
+        #: rank's blocks as the stages do
+        self.sequence = None
         #: block index -> a weak reference to its output in this forward (for the check that
         #: the next block takes it; weak so it keeps no activation alive)
         self.outputs: dict[int, weakref.ref] = {}
@@ -201,6 +205,8 @@ class PipelineModel(nn.Module):
                     and active.received is not None):
                 _settle(args[0])
                 return (active.received, *args[1:])
+            if self.dry_run and self.sequence and index > 0 and index == self._first_owned:
+                return (self.sequence[0](args[0]), *args[1:])
             return None
         return pre_hook
 
@@ -210,14 +216,25 @@ class PipelineModel(nn.Module):
                 raise PlanError(f"pp={self.plan.pp}: block {self.block_paths[index]} returns "
                                 f"{type(output).__name__}, not one tensor to send to the next "
                                 "stage")
+            if (self.dry_run and self.sequence and index == self._last_owned
+                    and index < len(self.block_paths) - 1):
+                output = self.sequence[1](output)  # the rest of the model, whole
             self.outputs[index] = weakref.ref(output)
             active = self.active
             if (active is not None and index == active.blocks.stop - 1
                     and not active.is_last and not self.dry_run):
                 self.outputs.clear()
                 raise _StageDone(output)
-            return None
+            return output
         return hook
+
+    @property
+    def _first_owned(self) -> int:
+        return min(self.owned)
+
+    @property
+    def _last_owned(self) -> int:
+        return max(self.owned)
 
     # --- the schedule --------------------------------------------------------------------
     def _build(self, kwargs: dict, batch_size: int, loss_fn=None, context=None):
@@ -236,7 +253,8 @@ class PipelineModel(nn.Module):
         def grab(block, block_args):
             stream.setdefault("x", block_args[0])
         modules = dict(self.module.named_modules())
-        handle = modules[self.block_paths[0]].register_forward_pre_hook(grab)
+        # before sp's cut on block 0: the whole stream on every stage
+        handle = modules[self.block_paths[0]].register_forward_pre_hook(grab, prepend=True)
         self.dry_run = True
         try:
             with torch.no_grad():
@@ -258,9 +276,12 @@ class PipelineModel(nn.Module):
                             "that loss expression to the pipeline (`mem.with_loss`)")
         self.position = position
         x = stream["x"]
+        shape = list(x.shape)
+        if self.sequence:  # sp: the stream between stages is this rank's part of the sequence
+            shape[1] //= self.plan.tp
         # the metadata's requires_grad decides whether received activations get gradients
         # (torch 2.13's PipelineStage takes it from the example tensors given here)
-        meta = torch.empty(x.shape, dtype=x.dtype, device=self.device,
+        meta = torch.empty(shape, dtype=x.dtype, device=self.device,
                            requires_grad=x.is_floating_point())
         del output
         self.stages, self.schedule = build_schedule(
@@ -375,7 +396,7 @@ class PipelineModel(nn.Module):
 
 
 def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
-                   rank: int, device_type: str) -> PipelineModel:
+                   rank: int, device_type: str, tp_layout=None) -> PipelineModel:
     """Cut ``module`` into this rank's stage (in place) and drop the other stages' parameters
     from ``optimizer``'s groups; returns the model the script calls."""
     blocks = repeated_blocks(checkpointing.module_entries(module))
@@ -410,4 +431,7 @@ def apply_pipeline(module: nn.Module, optimizer: torch.optim.Optimizer, plan: Pl
     pipeline_collectives.pipeline_group = groups.pipeline
     pipeline_collectives.data_parallel_group = groups.data_parallel
     pipeline_collectives.tensor_parallel_group = groups.tensor_parallel
-    return PipelineModel(module, plan, place, blocks, chunks, device, groups, optimizer)
+    model = PipelineModel(module, plan, place, blocks, chunks, device, groups, optimizer)
+    if plan.sp and tp_layout is not None:
+        model.sequence = (tp_layout.sequence_cut, tp_layout.sequence_whole)
+    return model

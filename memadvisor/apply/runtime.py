@@ -149,7 +149,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
         tensor_parallel.without_foreach(new_optimizer)
     if plan.pp > 1:  # after the optimizer is built over every parameter: then cut
         wrapped = pipeline_parallel.apply_pipeline(module, new_optimizer, plan, ranks.rank,
-                                                   device_type)
+                                                   device_type, tp_layout)
         new_optimizer = pipeline_data_parallel.shard_optimizer(new_optimizer, optimizer, plan,
                                                                wrapped.groups)
     scaler = (_sessions[0].scaler if _sessions

@@ -79,6 +79,10 @@ class Layout:
     head: str | None = None  #: the LM head split along the vocabulary
     tied: bool = False  #: the head's weight is the embedding's
     vocabulary_kept: dict[str, str] = field(default_factory=dict)  #: path -> why whole
+    #: under ``sp``: the stream cut along the sequence / gathered whole again (a pipeline
+    #: stage's dry run enters and leaves the stack at its own blocks)
+    sequence_cut: object = None
+    sequence_whole: object = None
 
     def linear_paths(self) -> dict[str, str]:
         """Every split Linear: path -> 'colwise' | 'rowwise'."""
@@ -259,7 +263,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, device_type: str) -> Lay
             setattr(modules[path], name, count // plan.tp)
     _split_vocabulary(layout, tp_mesh, modules)
     if plan.sp:
-        _sequence_parallel(layout, tp_mesh, modules)
+        layout.sequence_cut, layout.sequence_whole = _sequence_parallel(layout, tp_mesh,
+                                                                        modules)
     _check_split(model, layout, plan)
     return layout
 
@@ -282,11 +287,12 @@ def _split_vocabulary(layout: Layout, tp_mesh, modules: dict) -> None:
         modules[layout.head].weight = modules[layout.embedding].weight
 
 
-def _sequence_parallel(layout: Layout, tp_mesh, modules: dict) -> None:
+def _sequence_parallel(layout: Layout, tp_mesh, modules: dict):
     """``sp``: the residual stream inside the blocks holds this rank's part of the
     sequence (dimension 1): the first block's input is cut, the last block's output
     gathered; norms inside the blocks run ``SequenceParallel``; a block left replicated
-    (a fused-qkv attention) gets the whole sequence and gives back this rank's part."""
+    (a fused-qkv attention) gets the whole sequence and gives back this rank's part.
+    Returns (cut, whole): the two stream functions."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
@@ -328,6 +334,7 @@ def _sequence_parallel(layout: Layout, tp_mesh, modules: dict) -> None:
     for path in layout.kept:
         modules[path].register_forward_pre_hook(on_first(whole), with_kwargs=True)
         modules[path].register_forward_hook(on_output(cut))
+    return cut, whole
 
 
 def _check_split(model: nn.Module, layout: Layout, plan: Plan) -> None:

@@ -51,7 +51,6 @@ def test_interleaved_knobs_default_to_two_stages_per_rank():
     ("pp=2,world=4", "world must equal pp"),
     ("pp=2,world=2,accum=2", "microbatches=4 instead of accum=2"),
     ("pp=2,tp=2,world=8", "world must equal pp x tp = 4"),
-    ("pp=2,tp=2,sp", "with tp=2,sp is not supported yet"),
     ("pp=2,tp=2,shard=ddp,world=4", "world must be a multiple of 4 with at least 2 of them"),
     ("pp=2,tp=2,shard=zero1,world=8", "shard=zero1 is not supported"),
     ("pp=2,world=4,shard=zero3,schedule=interleaved", "interleaved is not supported yet"),
@@ -267,11 +266,14 @@ def test_pp_with_tp_on_four_ranks_trains_as_the_unmodified_run(tmp_path):
     """pp=2,tp=2 (gloo, 4 processes, a (dp, pp, tp) mesh): each stage's blocks split over its
     2 tensor-parallel ranks, the stages a pipeline; gpt_lm (tied embedding/head split over
     the vocabulary, gradient clipping: the squares of tp's shards summed over the tp group,
-    a stage's over the pipeline) and the zoo's Llama decoder (GQA, RMSNorm, RoPE).  The
-    same math in M parts, as pp alone, the tp all-reduces adding their rounding."""
+    a stage's over the pipeline) and the zoo's Llama decoder (GQA, RMSNorm, RoPE); with
+    sp the stream between stages travels cut along the sequence.  The same math in M
+    parts, as pp alone, the tp all-reduces adding their rounding."""
     jobs = [(GPT, "pp=2,tp=2,world=4", GPT4_ARGS),
             (GPT, "pp=2,tp=2,schedule=interleaved", GPT4_ARGS),
-            (LLAMA, "pp=2,tp=2,world=4", LLAMA_ARGS)]
+            (LLAMA, "pp=2,tp=2,world=4", LLAMA_ARGS),
+            (GPT, "pp=2,tp=2,sp,schedule=interleaved", GPT4_ARGS),
+            (LLAMA, "pp=2,tp=2,sp", LLAMA_ARGS)]
     results = run_distributed(jobs, 4, tmp_path)
     originals = {GPT: run_original(GPT, GPT4_ARGS), LLAMA: run_original(LLAMA, LLAMA_ARGS)}
     for (script, plan, _), params in zip(jobs, results):

@@ -220,7 +220,8 @@ def test_interleaved_predicted_peak_per_rank_against_apply_profile(gpt4, plan):
 @pytest.mark.parametrize("script, plan", [
     ("gpt4", "pp=2,tp=2,world=4"), ("gpt4", "pp=2,tp=2,schedule=interleaved"),
     ("gpt4", "pp=2,tp=2,shard=zero3,world=8"), ("llama", "pp=2,tp=2,world=4"),
-    ("gpt4", "pp=2,shard=zero1,world=4")])
+    ("gpt4", "pp=2,shard=zero1,world=4"), ("llama", "pp=2,tp=2,sp"),
+    ("gpt4", "pp=2,tp=2,sp,schedule=interleaved")])
 def test_pp_composed_predicted_per_rank_against_apply_profile(script, plan, request):
     """pp x tp (a (dp, pp, tp) mesh), pp x zero1: each rank's measured peak against its
     stage's prediction, tensor parallelism's split applied to the timeline before the
@@ -228,7 +229,8 @@ def test_pp_composed_predicted_per_rank_against_apply_profile(script, plan, requ
     (apply drains the gloo groups within a stage; zero1's replicas own different shares).
     Measured 2026-11-26: gpt_lm 4 layers +0.41/+0.44%, interleaved +0.39/+0.38%, zero3
     world=8 -0.06/+1.25%, llama -1.07/-0.01%, zero1 -0.05..+0.04% (before dropping DDP's
-    bucket, which a pipeline does not make: +39.5% on stage 0)."""
+    bucket, which a pipeline does not make: +39.5% on stage 0); with sp (the stream between
+    stages cut along the sequence) llama -2.62/-0.01%, gpt_lm interleaved -0.81/+0.41%."""
     trace, folder = request.getfixturevalue(script)
     path, args = (GPT, [*GPT4_ARGS, "--steps", "5"]) if script == "gpt4" else (LLAMA, LLAMA_ARGS)
     parsed = Plan.parse(plan)
