@@ -162,11 +162,39 @@ def pipeline_parallel_candidates(base: Baseline, gpus: int, allow: set[str], hw:
     return out
 
 
+def three_dimensional_candidates(base: Baseline, gpus: int, allow: set[str], hw: Hardware
+                                 ) -> list[tuple[Plan, Plan]]:
+    """(pp x tp plan, its twin): ``pp=P,tp=T`` on P x T GPUs, or beside GPUs / (P T) copies
+    of itself (``shard=ddp|zero3``), for P and T in ``MODEL_PARALLEL_DEGREES`` with P x T
+    dividing the GPUs (at least 4), P at most the model's blocks, the model's blocks tp can
+    split; 1F1B with M = P, 2P, 4P; crossed with precision and checkpoint.  The twin: the
+    same plan without either on GPUs / (P T) ranks with ``accum=M`` (the same micro-batch),
+    stretched by the bubble as pp's (``estimated``)."""
+    blocks = tensor_parallel_blocks(base.meta.modules)
+    if gpus < 4 or not (blocks.attention or blocks.mlp):
+        return []
+    batch = base.batch_size or 1
+    out = []
+    for pp, tp in itertools.product(MODEL_PARALLEL_DEGREES, MODEL_PARALLEL_DEGREES):
+        if gpus % (pp * tp) or pp > len(base.blocks) or batch % (gpus // (pp * tp)):
+            continue
+        pipelines = gpus // (pp * tp)
+        shards = ["ddp", "zero3"] if pipelines > 1 else ["none"]
+        counts = [pp * k for k in MICROBATCHES_PER_STAGE if (batch // pipelines) % (pp * k) == 0]
+        for shard, precision, checkpoint, microbatches in itertools.product(
+                shards, _precisions(allow, hw), _checkpoint_choices(base), counts):
+            knobs = dict(precision=precision, checkpoint=checkpoint, shard=shard)
+            out += _pair(dict(knobs, world=gpus, pp=pp, tp=tp, microbatches=microbatches),
+                         dict(knobs, world=pipelines, accum=microbatches))
+    return out
+
+
 def model_parallel_candidates(base: Baseline, gpus: int, allow: set[str], hw: Hardware
                               ) -> list[tuple[Plan, Plan]]:
-    """Every (model-parallel plan, its twin) ``advise`` could propose: tp, then pp."""
+    """Every (model-parallel plan, its twin) ``advise`` could propose: tp, pp, then both."""
     return (tensor_parallel_candidates(base, gpus, allow, hw)
-            + pipeline_parallel_candidates(base, gpus, allow, hw))
+            + pipeline_parallel_candidates(base, gpus, allow, hw)
+            + three_dimensional_candidates(base, gpus, allow, hw))
 
 
 def _degrees(gpus: int, batch: int) -> list[tuple[int, int]]:

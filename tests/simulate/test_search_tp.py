@@ -69,7 +69,7 @@ def test_tp_plans_rank_beside_zero_by_the_same_objective(base):
     hw = hardware("h100-80gb")
     result = advise(base, hw, 10 << 30, 4, top=1000)
     shown = [p.plan.to_compact() for p in result.ranked]
-    tp = _tp(result.ranked)
+    tp = [p for p in _tp(result.ranked) if p.plan.pp == 1]  # pp x tp: test_search_pp
     # degrees 2 (2-D: FSDP over 2 groups) and 4 (alone), beside plans without tp
     assert {(p.plan.tp, p.plan.world, p.plan.shard) for p in tp} == {
         (2, 4, "zero3"), (4, 4, "none")}
@@ -162,8 +162,8 @@ def test_tp_replays_reuse_their_twins_model_stage(base, monkeypatch):
 
     held, rebuilt = priced(True)
     fresh, made = priced(False)
-    # tp=2, tp=4, pp=2, pp=4: the same plans and figures
-    assert len(held) == 4 * EXACT_PER_DEGREE and held == fresh
+    # tp=2, tp=4, pp=2, pp=4, pp=2 x tp=2: the same plans and figures
+    assert len(held) == 5 * EXACT_PER_DEGREE and held == fresh
     assert rebuilt == 0 < made  # the held stages spared the precision rewrite
 
 
