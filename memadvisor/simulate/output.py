@@ -104,10 +104,20 @@ def simulate_text(data: dict) -> str:
 
 
 def _stage_text(stage: dict) -> str:
-    """'stage 0 (blocks 0-1, 2 in flight): 1.2 GiB' (``pipeline_parallel.stage_peaks``)."""
-    first, last = stage["blocks"]
-    return (f"stage {stage['stage']} (blocks {first}-{last}, "
+    """'stage 0 (blocks 0-1, 2 in flight): 1.2 GiB' (``pipeline_parallel.stage_peaks``);
+    under interleaved a rank's stages each with its blocks: 'rank 0 (stages 0: blocks 0-1,
+    2: blocks 4-5; 3 in flight at the peak): ...'."""
+    if "stages" in stage:
+        held = ", ".join(f"{g}: blocks {_span(*blocks)}"
+                         for g, blocks in zip(stage["stages"], stage["stage_blocks"]))
+        return (f"rank {stage['stage']} (stages {held}; {stage['in_flight_micro_batches']} in "
+                f"flight at the peak): {format_bytes(stage['peak_bytes'])}")
+    return (f"stage {stage['stage']} (blocks {_span(*stage['blocks'])}, "
             f"{stage['in_flight_micro_batches']} in flight): {format_bytes(stage['peak_bytes'])}")
+
+
+def _span(first: int, last: int) -> str:
+    return f"{first}-{last}" if last > first else f"{first}"
 
 
 def _worst_stage_lines(stages) -> list[str]:

@@ -105,7 +105,7 @@ def test_simulate_reports_every_stage(llama):
     assert [s["stage"] for s in stages] == [0, 1]
     assert data["peak_bytes"] == max(s["peak_bytes"] for s in stages)
     text = simulate_text(data)
-    assert "stage 1 (blocks 1-1, 1 in flight): " in text
+    assert "stage 1 (blocks 1, 1 in flight): " in text
     assert f"({stages[1]['peak_bytes']:,} B)" in text
     plain = simulate_dict(base, simulate(base, Plan.parse("shard=zero2,world=2"), hw), hw)
     assert plain["pipeline_stages"] is None
@@ -320,3 +320,16 @@ def test_every_stage_holds_the_cuda_workspaces(gpt4):
     stages = simulate(prepare(trace), Plan.parse("pp=2"), hardware("h100-80gb")).notes[
         "pipeline_parallel"]["stages"]
     assert all(stage["peak_bytes"] > 64 * 2**20 for stage in stages), stages
+
+
+def test_simulate_text_names_each_interleaved_stage_of_a_rank(gpt4):
+    """Under interleaved a rank holds stages r, r + P, ...: the text names each with its
+    blocks (before: one span 'blocks 0-2', as if rank 0 held block 1 too)."""
+    from memadvisor.simulate.output import simulate_dict, simulate_text
+    trace, _ = gpt4
+    base = prepare(trace)
+    hw = hardware(None, base.meta.device)
+    text = simulate_text(simulate_dict(
+        base, simulate(base, Plan.parse("pp=2,schedule=interleaved"), hw), hw))
+    assert "rank 0 (stages 0: blocks 0, 2: blocks 2; " in text
+    assert "rank 1 (stages 1: blocks 1, 3: blocks 3; " in text
