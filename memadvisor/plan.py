@@ -363,15 +363,21 @@ def _static_problems(plan: Plan) -> Iterable[str]:
                "set world to the number of GPUs, or use shard=none")
     if plan.hybrid is not None:
         group = plan.hybrid
+        # under pp the groups split each stage's D = world / (pp x tp) replicas
+        replicas = (f"world={world}" if plan.pp <= 1 else
+                    f"the {world} data-parallel replicas of each stage (world={plan.world} / "
+                    f"pp={plan.pp})")
+        larger = ("world larger than the group" if plan.pp <= 1 else
+                  "more data-parallel replicas per stage than the group")
         if shard not in ZERO_SHARDS:
             yield f"hybrid={group} shards inside groups: it needs shard=zero1, zero2 or zero3"
         elif group == 1:
             yield "hybrid=1 shards over groups of one rank, which is plain replication: use shard=ddp"
         elif group >= world:
-            yield (f"hybrid={group} needs world larger than the group: with world={world} "
-                   f"it is plain {shard}, drop hybrid")
+            yield (f"hybrid={group} needs {larger}: with {replicas} it is plain {shard}, "
+                   "drop hybrid")
         elif world % group:
-            yield f"hybrid={group} must divide world={world} into equal groups"
+            yield f"hybrid={group} must divide {replicas} into equal groups"
 
     offload = plan.offload
     if "params" in offload and shard not in FSDP_SHARDS:
@@ -456,8 +462,8 @@ def _pipeline_problems(plan: Plan) -> Iterable[str]:
                    f"{pp} or fewer than {2 * pp}")
     model_ranks = pp * max(plan.tp, 1)  # one pipeline: P stages of tp ranks each
     alone = f"pp x tp = {model_ranks}" if plan.tp > 1 else f"pp={pp}"
-    if plan.shard not in ("none", "ddp", "zero1", "zero2", "zero3") or plan.hybrid is not None:
-        yield (f"pp={pp} with shard={plan.shard}{'' if plan.hybrid is None else ',hybrid'} is "
+    if plan.shard not in ("none", "ddp", "zero1", "zero2", "zero3"):
+        yield (f"pp={pp} with shard={plan.shard} is "
                f"not supported yet: a pipeline runs alone (world={pp}) or beside copies of "
                f"itself with shard=ddp|zero1|zero2|zero3 (world = pp x replicas; the replicas "
                f"of a stage are its data-parallel group)")

@@ -17,6 +17,10 @@ from ..plan import PlanError
 pipeline_group = None
 data_parallel_group = None
 tensor_parallel_group = None
+#: under hybrid=G with zero2/zero3: the G ranks FSDP shards a stage over (its ``dp_shard``
+#: dim; the ``dp_replicate`` dim holds copies), over which the shards' squares are summed
+#: (``pipeline_data_parallel.shard_blocks`` sets it; None: the data-parallel group)
+data_parallel_shard_group = None
 
 
 def full_parameters(module: nn.Module, parameter_names: list[str]) -> dict[str, torch.Tensor]:
@@ -34,10 +38,15 @@ def full_parameters(module: nn.Module, parameter_names: list[str]) -> dict[str, 
 
 
 #: the slots of the squared-norm vector: (whose, the mesh dimensions the gradient is split
-#: over) -- a stage's own blocks or the layers every stage holds; FSDP splits over ``dp``,
-#: tensor parallelism over ``tp``.  Fixed, so every rank makes the same collectives.
+#: over) -- a stage's own blocks or the layers every stage holds; FSDP splits over ``dp``
+#: (``dp_shard`` under hybrid), tensor parallelism over ``tp``.  Fixed, so every rank makes
+#: the same collectives.
 _SLOTS = [(whose, split) for whose in ("own", "shared")
           for split in ((), ("dp",), ("tp",), ("dp", "tp"))]
+
+
+#: mesh dim name -> the slot's name: hybrid's shard dim is FSDP's ``dp``
+_SPLIT_SLOT = {"dp": "dp", "dp_shard": "dp", "tp": "tp"}
 
 
 def _split_dims(grad) -> tuple[str, ...]:
@@ -46,8 +55,10 @@ def _split_dims(grad) -> tuple[str, ...]:
     if not hasattr(grad, "placements"):
         return ()
     names = grad.device_mesh.mesh_dim_names or ()
-    dims = {names[i] for i, placement in enumerate(grad.placements) if placement.is_shard()}
+    dims = {_SPLIT_SLOT.get(names[i]) for i, placement in enumerate(grad.placements)
+            if placement.is_shard()}
     return tuple(d for d in ("dp", "tp") if d in dims)
+
 
 
 def _sum_over(vector: torch.Tensor, slots: list[bool], group) -> None:
@@ -77,7 +88,9 @@ def clip_grad_norm_(parameters, max_norm: float, replicated: set[int],
         whose = "shared" if id(p) in replicated else "own"
         squares[_SLOTS.index((whose, split))] += local.float().pow(2).sum().cpu()
     _sum_over(squares, [whose == "own" for whose, _ in _SLOTS], pipeline_group)
-    for dim, group in (("dp", data_parallel_group), ("tp", tensor_parallel_group)):
+    fsdp_group = (data_parallel_shard_group if data_parallel_shard_group is not None
+                  else data_parallel_group)
+    for dim, group in (("dp", fsdp_group), ("tp", tensor_parallel_group)):
         if group is not None:
             _sum_over(squares, [dim in split for _, split in _SLOTS], group)
     total = squares.sum().sqrt()

@@ -10,6 +10,14 @@ that slice into M micro-batches.  After the schedule each gradient on a rank is 
 over its stage's data-parallel group (what DDP's all-reduce computes; not DDP itself, whose
 reducer only syncs a backward its own forward prepared, and the schedule runs the stages'
 backwards itself).
+
+Under ``hybrid=G`` a stage's D replicas split as (D / G) x G: the mesh is (D / G, G, P) with
+dims ``("dp_replicate", "dp_shard", "pp")`` and its two data-parallel dims flattened into
+``dp`` (the D replicas, over which every gradient is still averaged).  zero2/zero3 shard
+each stage over its G ranks and replicate over the D / G groups (FSDP2's HSDP on the 2-D
+``(dp_replicate, dp_shard)`` mesh, as apply does without a pipeline); zero1's
+ZeroRedundancyOptimizer shards the stage's optimizer state over the G ranks.  All groups
+come from one root mesh, and each holds ranks of one stage (drained on gloo).
 """
 from __future__ import annotations
 
@@ -31,6 +39,23 @@ class Groups:
     data_parallel_size: int = 1
     mesh: object = None
     tensor_parallel: object = None  #: the tp ranks splitting this rank's stage (under tp)
+    #: under hybrid=G: the G ranks of this stage's replicas that share one copy of the
+    #: sharded state (None: all D, ``data_parallel``)
+    data_parallel_shard: object = None
+
+    @property
+    def shard_group(self):
+        """The ranks zero1/zero2/zero3 shard this stage's state over."""
+        return (self.data_parallel_shard if self.data_parallel_shard is not None
+                else self.data_parallel)
+
+    @property
+    def sharding_mesh(self):
+        """What FSDP2 shards a stage over: the ``dp`` dim, or under hybrid the 2-D
+        ``(dp_replicate, dp_shard)`` mesh (HSDP: shard over G, replicate over D / G)."""
+        if "dp_shard" in (self.mesh.mesh_dim_names or ()):
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp"]
 
 
 def pipeline_rank(plan: Plan, rank: int) -> int:
@@ -66,6 +91,14 @@ def make_groups(plan: Plan, device_type: str) -> Groups:
         return Groups()
     from torch.distributed.device_mesh import init_device_mesh
 
+    if plan.hybrid:
+        # dp index d = (replica group) x G + (shard rank): G consecutive replicas share one
+        # copy of the stage's state, as hybrid's groups without a pipeline
+        mesh = init_device_mesh(device_type, (replicas // plan.hybrid, plan.hybrid, plan.pp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
+        every_replica = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return Groups(mesh["pp"].get_group(), every_replica.get_group(), replicas, mesh,
+                      data_parallel_shard=mesh["dp_shard"].get_group())
     mesh = init_device_mesh(device_type, (replicas, plan.pp), mesh_dim_names=("dp", "pp"))
     return Groups(mesh["pp"].get_group(), mesh["dp"].get_group(), replicas, mesh)
 
@@ -73,10 +106,14 @@ def make_groups(plan: Plan, device_type: str) -> Groups:
 def shard_blocks(module, blocks: list, plan: Plan, groups: Groups, optimizer) -> None:
     """zero2/zero3: FSDP2 ``fully_shard`` on each of this rank's blocks (``blocks``: the
     modules) over its stage's data-parallel group, so each replica holds 1/D of the stage's
-    block parameters, gradients and optimizer state; the optimizer's groups take the
-    sharded parameters (no state exists yet).  The layers outside the stack are the root
-    unit, sharded too; their gradients (zero on the middle stages) are summed over the
-    pipeline after the schedule, shard by shard."""
+    block parameters, gradients and optimizer state (1/G under hybrid: HSDP); the
+    optimizer's groups take the sharded parameters (no state exists yet).  The layers
+    outside the stack are the root unit, sharded too; their gradients (zero on the middle
+    stages) are summed over the pipeline after the schedule, shard by shard."""
+    from . import pipeline_collectives
+    # the gradient norm sums FSDP's shards' squares over the ranks holding the other shards
+    pipeline_collectives.data_parallel_shard_group = (
+        groups.data_parallel_shard if plan.uses_fsdp else None)
     if not plan.uses_fsdp or groups.data_parallel_size == 1:
         return
     from torch.distributed.fsdp import fully_shard
@@ -84,10 +121,10 @@ def shard_blocks(module, blocks: list, plan: Plan, groups: Groups, optimizer) ->
     names = {id(p): n for n, p in module.named_parameters()}
     reshard = plan.shard == "zero3"
     for block in blocks:
-        fully_shard(block, mesh=groups.mesh["dp"], reshard_after_forward=reshard)
+        fully_shard(block, mesh=groups.sharding_mesh, reshard_after_forward=reshard)
     # the rest (embeddings, final norm, head; a tied weight once) as the root unit, as
     # apply's zero2/zero3 without a pipeline: only the end stages use it
-    fully_shard(module, mesh=groups.mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(module, mesh=groups.sharding_mesh, reshard_after_forward=reshard)
     after = dict(module.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [after[names[id(p)]] for p in group["params"]]
@@ -96,17 +133,18 @@ def shard_blocks(module, blocks: list, plan: Plan, groups: Groups, optimizer) ->
 def unsharded_optimizer_plan(plan: Plan) -> Plan:
     """The plan to build the optimizer by before a pipeline cuts the model: ``zero1``'s
     ZeroRedundancyOptimizer must partition the stage's parameters, not the model's, so it
-    is built afterwards (``shard_optimizer``)."""
+    is built afterwards (``shard_optimizer``; hybrid's groups with it)."""
     if plan.pp > 1 and plan.shard == "zero1":
-        return dataclasses.replace(plan, shard="ddp")
+        return dataclasses.replace(plan, shard="ddp", hybrid=None)
     return plan
 
 
 def shard_optimizer(optimizer, original, plan: Plan, groups: Groups):
     """``zero1``: the optimizer over this rank's stage (its groups already cut) rebuilt as a
-    ZeroRedundancyOptimizer over the stage's data-parallel replicas: each steps its share
-    of the stage's parameters and broadcasts them (the gradients were averaged in place
-    after the schedule, ``average_gradients``)."""
+    ZeroRedundancyOptimizer over the stage's data-parallel replicas (its G-rank shard group
+    under hybrid): each steps its share of the stage's parameters and broadcasts them (the
+    gradients were averaged in place over all D replicas after the schedule,
+    ``average_gradients``, so every shard group steps the same parameters)."""
     if plan.shard != "zero1" or plan.pp <= 1:
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -114,7 +152,7 @@ def shard_optimizer(optimizer, original, plan: Plan, groups: Groups):
     cls, defaults = optimizer_spec(original, plan)
     param_groups = [dict(group) for group in optimizer.param_groups if group["params"]]
     return ZeroRedundancyOptimizer(param_groups, optimizer_class=cls,
-                                   process_group=groups.data_parallel, **defaults)
+                                   process_group=groups.shard_group, **defaults)
 
 
 def average_gradients(parameters, plan: Plan, groups: Groups) -> None:
