@@ -1,0 +1,74 @@
+"""pp=P x hybrid=G predicted per stage: a stage's state in shards of G ranks (not its D
+replicas), its replica's slice of the batch, against ``apply --plan ... --profile`` on 8
+CPU ranks."""
+import os
+
+import pytest
+
+from .cli_runs import ROOT, run_cli
+from memadvisor.plan import Plan
+from memadvisor.simulate import prepare, simulate
+from memadvisor.trace.analysis import analysed_step
+from memadvisor.trace.io import read_trace
+
+GPT = os.path.join(ROOT, "examples", "gpt_lm.py")
+GPT4_ARGS = ["--n-layer", "4", "--d-model", "64", "--batch-size", "8", "--device", "cpu"]
+#: the issue's target for the analytic prediction against the measured per-rank peak
+ANALYTIC_TARGET = 0.05
+
+
+@pytest.fixture(scope="module")
+def gpt4(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pp_hybrid")
+    path = folder / "gpt4.trace"
+    run_cli("profile", GPT, "-o", path, "--steps", "3", "--", *GPT4_ARGS)
+    return read_trace(str(path)), folder
+
+
+def _stages(trace, plan: str) -> list[dict]:
+    return simulate(prepare(trace), Plan.parse(plan)).notes["pipeline_parallel"]["stages"]
+
+
+def test_a_stages_state_is_sharded_over_the_group_not_its_replicas(gpt4):
+    """hybrid=2 over 4 replicas per stage holds what shard=zero3 over 2 replicas holds (one
+    copy per 2 ranks) and twice what zero3 over 4 holds; zero1's optimizer state too."""
+    trace, _ = gpt4
+    for shard in ("zero3", "zero1"):
+        hybrid = _stages(trace, f"pp=2,shard={shard},hybrid=2,world=8")
+        two = _stages(trace, f"pp=2,shard={shard},world=4")
+        four = _stages(trace, f"pp=2,shard={shard},world=8")
+        for h, t, f in zip(hybrid, two, four):
+            state = h["by_category"]["optimizer_state"]
+            assert state == t["by_category"]["optimizer_state"], (shard, h, t)
+            assert state > 1.8 * f["by_category"]["optimizer_state"], (shard, h, f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["pp=2,shard=zero3,hybrid=2,world=8",
+                                  "pp=2,shard=zero1,hybrid=2,world=8"])
+def test_pp_hybrid_predicted_per_rank_against_apply_profile(gpt4, plan):
+    """Every rank's measured peak against its stage's prediction from the unmodified trace
+    (gloo, 8 processes: 2 stages x 2 replica groups x 2 shards).  Measured 2026-11-26,
+    gpt_lm 4 layers d_model 64 batch 8: zero3 stage 0 -4.65%, stage 1 +3.43% (as zero3
+    without hybrid on the same 2-sample replicas, world=8: -3.03/+4.50%); zero1 +2.24/+2.35%
+    and +3.09/+3.20%.  Under zero3 the ranks of one stage measure the same (apply drains the
+    gloo groups within a stage); zero1's own different shares of the optimizer state."""
+    trace, folder = gpt4
+    parsed = Plan.parse(plan)
+    tag = plan.replace("=", "").replace(",", "_")
+    measured_path = folder / f"{tag}.trace"
+    run_cli("apply", GPT, "--plan", plan, "-o", folder / f"{tag}.py", "-q", "--profile",
+            measured_path, "--profile-steps", "3", "--", *GPT4_ARGS, "--steps", "5",
+            timeout=900)
+    stages = _stages(trace, plan)
+    measured = {}
+    for rank in range(parsed.world):
+        found = read_trace(str(measured_path if rank == 0
+                               else folder / f"{tag}.rank{rank}.trace"))
+        measured[rank] = found.meta.steps[analysed_step(found)]["peak_bytes"]
+        stage = (rank // parsed.tp) % parsed.pp
+        predicted = stages[stage]["peak_bytes"]
+        assert abs(predicted - measured[rank]) / measured[rank] <= ANALYTIC_TARGET, \
+            (plan, rank, predicted, measured[rank])
+        if parsed.shard != "zero1":
+            assert measured[rank] == measured[stage], (plan, rank, measured)
