@@ -39,7 +39,14 @@ timeline after the batch split (micro-batch B / M):
 
 Under ``shard=zero2|zero3`` (D replicas of the pipeline) the model state above is the
 stage's 1/D shard, and FSDP's gathered parameters and buffers are the stage's own: its
-blocks and the root, per micro-batch (``pipeline_sharding.py``).
+blocks and the root, per micro-batch (``pipeline_sharding.py``).  zero2 keeps a block
+gathered from its forward to its post-backward, which runs after each micro-batch's
+backward; with several micro-batches in flight on a stage (1f1b's stages before the last:
+F0 F1 B0 B1) FSDP's backward prefetch, ordered by every forward's record, gathers each
+block that post-backward just resharded again for the next micro-batch's backward: those
+backwards gather and free as zero3's do, and run zero3's micro-step (measured: gpt_lm 4
+layers, pp=2 stage 0, zero2's peak equals zero3's to the byte, at a prefetch's all-gather
+in the first backward).
 
 Under ``schedule=interleaved`` the stack is cut into P x V stages and rank r holds stages
 r, r + P, ... (torch's placement); each stage's rows are taken as above, and the rank's
@@ -167,7 +174,7 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
     micro_batches = plan.pipeline_microbatches
 
     def stage_terms(stage: int, held: float, collectives_held: bool = False,
-                    first: bool = False) -> dict:
+                    first: bool = False, shard: str = plan.shard) -> dict:
         """One stage's rows on the rank's timeline: its one micro-step, M accumulated, its
         saved activations and the gradients it makes (per micro-batch).
         ``collectives_held``: FSDP's buffers held by gloo's worker until the next
@@ -186,7 +193,7 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         local = (last_timeline if stage == num_stages - 1 else timeline).resized(sizes)
         if fsdp:
             local = local.appended(pipeline_sharding.stage_rows(
-                timeline, plan.shard, plan.shard_group_size, blocks, list(owned),
+                timeline, shard, plan.shard_group_size, blocks, list(owned),
                 block_parameter_fraction, {**copies, "held_until_next": collectives_held},
                 stage == num_stages - 1))
         own_gradients = (timeline.category == _GRADIENT) & made_in_step & (
@@ -216,16 +223,21 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
         # a stage before the last runs its backward from the gradient of its output, which
         # the unmodified trace has among the next block's rows (no stage's here)
         output_gradient = [stream_bytes if g < num_stages - 1 else 0.0 for g in mine_stages]
+        # zero2: the backwards that gather the blocks again run zero3's micro-step
+        regather = ([stage_terms(g, held, shard="zero3") for g in mine_stages]
+                    if fsdp and plan.shard == "zero2" else None)
         peak, at_peak = _peak_over_backwards(terms, actions, virtual, sends_per_backward,
-                                             stream_bytes, output_gradient)
+                                             stream_bytes, output_gradient, regather)
         # a backend whose worker may hold FSDP's buffers to the next collective (a race:
         # runs land on either figure, rank by rank) gets the late figure beside; apply
         # drains gloo's groups within a stage (apply/gloo_release.py), so on the CPU the
         # device rule says they are not held
         if fsdp and copies.get("held_until_next"):
-            late, _ = _peak_over_backwards([stage_terms(g, held, True) for g in mine_stages],
-                                           actions, virtual, sends_per_backward, stream_bytes,
-                                           output_gradient)
+            late, _ = _peak_over_backwards(
+                [stage_terms(g, held, True) for g in mine_stages], actions, virtual,
+                sends_per_backward, stream_bytes, output_gradient,
+                [stage_terms(g, held, True, shard="zero3") for g in mine_stages]
+                if regather else None)
         else:
             late = None
         # a stage after the first: M receive buffers and, under 1f1b/gpipe, the input
@@ -264,25 +276,43 @@ def stage_peaks(timeline: Timeline, plan: Plan, blocks: list[str],
 
 def _peak_over_backwards(terms: list[dict], actions, virtual: int,
                          sends_per_backward: list[int], stream_bytes: float,
-                         output_gradient: list[float]) -> tuple[float, list[int] | None]:
+                         output_gradient: list[float], regather: list[dict] | None = None
+                         ) -> tuple[float, list[int] | None]:
     """The rank's peak over every backward of torch's order (``actions``) and the
     micro-batches in flight per stage there: that stage's micro-step (the first: no
     gradients of it yet; a later one: M micro-steps' accumulated), beside the saved
     activations of every micro-batch in flight on the rank's stages, the gradients of its
     stages whose backward already ran, the sends kept until the step ends and the gradient
-    of the running stage's output."""
+    of the running stage's output.  ``regather`` (zero2): the stages' micro-steps with
+    zero3's rows, for a backward that gathers its blocks again -- one with another
+    micro-batch in flight on its stage (the backward prefetch gathers what its
+    post-backward resharded), or one that follows such a backward with no forward of the
+    stage between -- at least what the stage's own rows give there."""
     peak, at_peak = -1.0, None
+    forwards_at_backward: list[int | None] = [None] * len(terms)
     for local, in_flight, done in pipeline_schedule.in_flight_at_backwards(actions, virtual):
-        base = terms[local]["accumulated" if done[local] else "one"].bytes
-        value = (base - terms[local]["saved"]
-                 + sum(n * t["saved"] for n, t in zip(in_flight, terms))
-                 + sum(terms[c]["gradients"] for c, n in enumerate(done)
-                       if n and c != local)
-                 + stream_bytes * sum(n * k for n, k in zip(done, sends_per_backward))
-                 + output_gradient[local])
+        forwards = in_flight[local] + done[local]  # the stage's forwards run so far
+        choices = [terms]
+        if regather is not None and (in_flight[local] > 1
+                                     or forwards_at_backward[local] == forwards):
+            choices.append([*terms[:local], regather[local], *terms[local + 1:]])
+        forwards_at_backward[local] = forwards
+        value = max(_at_backward(step_terms, local, in_flight, done, sends_per_backward,
+                                 stream_bytes, output_gradient) for step_terms in choices)
         if value > peak:
             peak, at_peak = value, in_flight
     return peak, at_peak
+
+
+def _at_backward(terms: list[dict], local: int, in_flight, done, sends_per_backward,
+                 stream_bytes: float, output_gradient: list[float]) -> float:
+    """The rank's bytes at one backward of local stage ``local`` (``_peak_over_backwards``)."""
+    base = terms[local]["accumulated" if done[local] else "one"].bytes
+    return (base - terms[local]["saved"]
+            + sum(n * t["saved"] for n, t in zip(in_flight, terms))
+            + sum(terms[c]["gradients"] for c, n in enumerate(done) if n and c != local)
+            + stream_bytes * sum(n * k for n, k in zip(done, sends_per_backward))
+            + output_gradient[local])
 
 
 def _without_ddp_bucket(timeline: Timeline, plan: Plan) -> Timeline:
