@@ -30,6 +30,8 @@ from . import packed, placeholders, real_cpu
 from .memory import LiveFakeBytes
 
 _aten = torch.ops.aten
+#: ``_c10d_functional.wait_tensor``: returns its input (see ``dispatch``)
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _NO_OPS = frozenset({_aten.record_stream.default})
 _VALUE_READS = placeholders.SCALAR_OPS | placeholders.TRUE_OPS | placeholders.UPPER_BOUND_OPS
 
@@ -103,6 +105,11 @@ class SimulatedGpuMode(FakeTensorMode):
             return super().dispatch(_aten.clone.default, types, (args[0],), {})
         if func is _aten.is_pinned.default:
             return False
+        if func is _WAIT_TENSOR and args and isinstance(args[0], FakeTensor):
+            # a functional collective's wait hands back its input (the same storage, as
+            # c10d's kernel does); the meta kernel made a new one: a second copy of every
+            # tp all-reduce's output (+64 KiB on the Llama decoder's head under tp=2)
+            return args[0]
         if func is _aten._to_copy.default and args:
             copied = self._host_round_trip(args[0], kwargs)
             if copied is not None:
