@@ -140,7 +140,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
     sharding.forward_methods(module, wrapped, plan, methods)
 
     new_params = dict(module.named_parameters())
-    shard_group = sharding.optimizer_shard_group(plan) if plan.shard == "zero1" else None
+    # (under pp zero1's group is a stage's, made with the pipeline: shard_optimizer)
+    shard_group = (sharding.optimizer_shard_group(plan)
+                   if plan.shard == "zero1" and plan.pp == 1 else None)
     # a pipeline shards the optimizer state over a stage's replicas once it holds the stage
     build_plan = pipeline_data_parallel.unsharded_optimizer_plan(plan)
     new_optimizer = optimizers.build_optimizer(optimizer, build_plan, new_params, names_by_id,

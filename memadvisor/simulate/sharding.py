@@ -479,8 +479,8 @@ def communication_bytes(plan: Plan, parameter_bytes: float, gradient_bytes: floa
     ring = lambda n: (n - 1) / n if n > 1 else 0.0
     if plan.shard in ("ddp", "zero1"):
         volume = 2 * gradient_bytes * ring(replicas_all)  # all-reduce
-        if plan.shard == "zero1":
-            volume += parameter_bytes * ring(replicas_all)  # broadcast of updated shards
+        if plan.shard == "zero1":  # broadcast of updated shards within the shard group
+            volume += parameter_bytes * ring(group)
         return volume
     gathers = 1 if plan.shard == "zero2" else 2
     volume = gathers * parameter_bytes * ring(group) + gradient_bytes * ring(group)
