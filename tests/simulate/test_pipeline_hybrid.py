@@ -5,10 +5,9 @@ import os
 
 import pytest
 
-from .cli_runs import ROOT, run_cli
+from .cli_runs import ROOT, check_stages_against_apply_profile, run_cli
 from memadvisor.plan import Plan
 from memadvisor.simulate import prepare, simulate
-from memadvisor.trace.analysis import analysed_step
 from memadvisor.trace.io import read_trace
 
 GPT = os.path.join(ROOT, "examples", "gpt_lm.py")
@@ -69,21 +68,6 @@ def test_pp_hybrid_predicted_per_rank_against_apply_profile(gpt4, plan):
     the same (apply drains the gloo groups within a stage); zero1's own different shares of
     the optimizer state."""
     trace, folder = gpt4
-    parsed = Plan.parse(plan)
-    tag = plan.replace("=", "").replace(",", "_")
-    measured_path = folder / f"{tag}.trace"
-    run_cli("apply", GPT, "--plan", plan, "-o", folder / f"{tag}.py", "-q", "--profile",
-            measured_path, "--profile-steps", "3", "--", *GPT4_ARGS, "--steps", "5",
-            timeout=900)
-    stages = _stages(trace, plan)
-    measured = {}
-    for rank in range(parsed.world):
-        found = read_trace(str(measured_path if rank == 0
-                               else folder / f"{tag}.rank{rank}.trace"))
-        measured[rank] = found.meta.steps[analysed_step(found)]["peak_bytes"]
-        stage = (rank // parsed.tp) % parsed.pp
-        predicted = stages[stage]["peak_bytes"]
-        assert abs(predicted - measured[rank]) / measured[rank] <= ANALYTIC_TARGET, \
-            (plan, rank, predicted, measured[rank])
-        if parsed.shard != "zero1":
-            assert measured[rank] == measured[stage], (plan, rank, measured)
+    check_stages_against_apply_profile(GPT, [*GPT4_ARGS, "--steps", "5"], plan,
+                                       _stages(trace, plan), folder, ANALYTIC_TARGET,
+                                       timeout=900)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from .cli_runs import ROOT, run_cli
+from .cli_runs import ROOT, check_stages_against_apply_profile, run_cli
 from memadvisor.plan import Plan
 from memadvisor.simulate import prepare, simulate
 from memadvisor.simulate import pipeline_parallel
@@ -233,24 +233,8 @@ def test_pp_composed_predicted_per_rank_against_apply_profile(script, plan, requ
     stages cut along the sequence) llama -2.62/-0.01%, gpt_lm interleaved -0.81/+0.41%."""
     trace, folder = request.getfixturevalue(script)
     path, args = (GPT, [*GPT4_ARGS, "--steps", "5"]) if script == "gpt4" else (LLAMA, LLAMA_ARGS)
-    parsed = Plan.parse(plan)
-    tag = plan.replace("=", "").replace(",", "_")
-    measured_path = folder / f"{tag}.trace"
-    _cli("apply", path, "--plan", plan, "-o", folder / f"{tag}.py", "-q",
-         "--profile", measured_path, "--profile-steps", "3", "--", *args)
-    stages = simulate(prepare(trace), parsed).notes["pipeline_parallel"]["stages"]
-    measured = {}
-    for rank in range(parsed.world):
-        found = read_trace(str(measured_path if rank == 0
-                               else folder / f"{tag}.rank{rank}.trace"))
-        measured[rank] = found.meta.steps[analysed_step(found)]["peak_bytes"]
-        stage = (rank // parsed.tp) % parsed.pp
-        predicted = stages[stage]["peak_bytes"]
-        assert abs(predicted - measured[rank]) / measured[rank] <= ANALYTIC_TARGET, \
-            (plan, rank, predicted, measured[rank])
-        first_of_stage = stage * parsed.tp
-        if parsed.shard != "zero1":
-            assert measured[rank] == measured[first_of_stage], (plan, rank, measured)
+    stages = simulate(prepare(trace), Plan.parse(plan)).notes["pipeline_parallel"]["stages"]
+    check_stages_against_apply_profile(path, args, plan, stages, folder, ANALYTIC_TARGET)
 
 
 def test_pp_with_ddp_predicts_each_replica_as_a_pipeline_on_its_slice(gpt):
