@@ -323,6 +323,14 @@ def _real(script: RecordedScript, copy: Path, plan: Plan, steps: int) -> Verific
             if step is None:
                 verification.failed = f"rank {rank} completed no step"
                 return verification
+            if (trace.meta.steps_completed or 0) < steps:
+                # its last step is another of the step's kinds (a GAN alternates two
+                # optimizers) than the one predicted: no figure rather than a wrong one
+                verification.failed = (
+                    f"rank {rank}'s run ended after {trace.meta.steps_completed} of the "
+                    f"{steps} steps profiled (the script stopped sooner under the plan), so "
+                    "its analysed step is not the one predicted")
+                return verification
             verification.ranks.append(RankPeaks(
                 rank=rank, peak_allocated_bytes=int(trace.meta.steps[step]["peak_bytes"]),
                 peak_reserved_bytes=None, steps_completed=trace.meta.steps_completed))
