@@ -294,10 +294,10 @@ def advise_cell(script: ZooScript, trace: Path | None, folder: Path) -> dict:
     batch = script.truth["batch_size"]
     for plan in plans:
         micro = plan.get("micro_batch_size")
-        ranks_times_accum = plan["plan"].get("accum", 1) * plan["plan"].get("world", 1)
-        if micro is not None and batch % ranks_times_accum == 0 and micro != batch // ranks_times_accum:
+        split = _samples_split(plan["plan"])
+        if micro is not None and batch % split == 0 and micro != batch // split:
             problems.append(f"{plan['plan_compact']}: micro-batch {micro}, truth "
-                            f"{batch // ranks_times_accum}")
+                            f"{batch // split}")
             break
     top = plans[0]
     facts["top_plan"] = top["plan_compact"]
@@ -313,6 +313,16 @@ def advise_cell(script: ZooScript, trace: Path | None, folder: Path) -> dict:
                     **facts)
     return cell("works", " ".join(notes + [f"top plan {top['plan_compact']} of {len(plans)}; "
                                            f"apply accepts it"]), **facts)
+
+
+def _samples_split(knobs: dict) -> int:
+    """Into how many micro-batches a plan cuts the batch, from its knobs: the data-parallel
+    replicas (world over the tp and pp ranks that share one slice), accumulation, and a
+    pipeline's micro-batches (M, default P)."""
+    tp, pp = knobs.get("tp") or 1, knobs.get("pp") or 1
+    replicas = max(1, (knobs.get("world") or 1) // (tp * pp))
+    microbatches = (knobs.get("microbatches") or pp) if pp > 1 else 1
+    return replicas * (knobs.get("accum") or 1) * microbatches
 
 
 def _impossible_split(answer: str, batch: int) -> str:
