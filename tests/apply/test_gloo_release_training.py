@@ -3,6 +3,7 @@ train as without the drain: the final parameters are held to the same bounds as
 ``test_distributed.py`` holds them (the unmodified run and the single-process
 equivalent), and each rank says it drained."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -33,8 +34,9 @@ def run_one_worker_jobs(jobs, nproc: int, folder: Path, timeout_s: float = 600):
                            "--nproc-per-node", str(nproc), str(runner), str(job_file)],
                           env=env, capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stderr[-6000:]
-    drained = [int(line.split()[1]) for line in done.stdout.splitlines()
-               if line.startswith("drained ")]
+    # the ranks print at once: two lines can arrive glued ("drained 489 timesdrained 489
+    # times"), so each count is found by its pattern, not per line
+    drained = [int(n) for n in re.findall(r"drained (\d+) times", done.stdout)]
     assert len(drained) == nproc and min(drained) > 0, done.stdout[-2000:]
     return [torch.load(spec["save"])["tensors"] for spec in specs]
 
