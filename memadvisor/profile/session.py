@@ -546,6 +546,14 @@ class ProfileSession:
         self._mark_optimizer_state(optimizer)
         self._optimizer_depth = max(self._optimizer_depth - 1, 0)
         self.recorder.phase = schema.OPTIMIZER if self._optimizer_depth else schema.OTHER_PHASE
+        if self._optimizer_depth:
+            # an optimizer stepped by another's step (ZeroRedundancyOptimizer's local shard
+            # optimizer, accelerate's wrapped one): the outer step is the script's, and ends
+            # after the inner one (ZeRO broadcasts the updated shards then).  Counted as the
+            # step, the shard optimizer covered a part of the parameters, so no step ended,
+            # and three backward passes with no step looked like manual updates: a GAN under
+            # zero1 stopped profiling after one of its three iterations
+            return
         if self._backward_since_optimizer_step and self.step_boundary != "backward":
             self._backward_since_optimizer_step = False
             self._backward_since_forward = False

@@ -146,6 +146,51 @@ def test_a_gan_step_is_one_iteration_of_both_optimizers():
     assert not any(m.startswith("Generator") for m in modules)
 
 
+class ShardWrapper(torch.optim.Optimizer):
+    """As ZeroRedundancyOptimizer: the step of a local optimizer over a part of the
+    parameters, then the rest of the outer step (ZeRO broadcasts the updated shards)."""
+
+    def __init__(self, params):
+        params = list(params)
+        super().__init__(params, {})
+        self.inner = torch.optim.SGD(params[: len(params) // 2], lr=0.1)
+        self.after_inner = []
+
+    def step(self, closure=None):
+        self.inner.step()
+        self.after_inner.append(torch.empty(1000))  # 4,000 B made after the inner step
+
+
+def test_an_optimizer_stepped_inside_another_is_part_of_its_step():
+    netD = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))
+    netG = Generator()
+    optimizerD, optimizerG = ShardWrapper(netD.parameters()), ShardWrapper(netG.parameters())
+    criterion = nn.BCEWithLogitsLoss()
+    iterations = []
+
+    def train():
+        for iteration in range(4):
+            real = torch.randn(6, 5)
+            netD.zero_grad()
+            criterion(netD(real), torch.ones(6, 1)).backward()
+            fake = netG(torch.randn(6, 3))
+            criterion(netD(fake.detach()), torch.zeros(6, 1)).backward()
+            optimizerD.step()
+            netG.zero_grad()
+            criterion(netD(fake), torch.ones(6, 1)).backward()
+            optimizerG.step()
+            iterations.append(iteration)
+
+    events, meta = _profile(train, steps=3)
+    # before: the inner (shard) optimizers' steps were counted and covered half of the
+    # parameters, so no step ended and profiling stopped after the first iteration
+    assert meta.steps_completed == 3
+    assert iterations == [0, 1]  # stopped in iteration 2's generator step
+    made_after_inner = events[events["size_bytes"] == 4000]
+    # the outer step's own work after the inner step belongs to the step it ends
+    assert made_after_inner["step"].tolist() == [0, 0, 1, 1, 2, 2], made_after_inner
+
+
 class VAE(nn.Module):
     def __init__(self):
         super().__init__()
