@@ -48,6 +48,7 @@ from ..trace import schema
 from .module_paths import inside_any
 from .replay import CATEGORY_CODE, PHASE_CODE, Timeline
 from .sequence_parallel import edge_changes, gathered_inputs, kept_inputs
+from .tensor_parallel_flow import split_by_data_flow
 from .tensor_parallel_vocabulary import transient_rows, vocabulary_rows
 
 _FORWARD, _BACKWARD = PHASE_CODE[schema.FORWARD], PHASE_CODE[schema.BACKWARD]
@@ -98,7 +99,14 @@ def apply_tensor_parallel(timeline: Timeline, plan: Plan, modules,
         split_vocabulary & (category == _GRADIENT))
     whole_partials = flowing & matmul & ~split_vocabulary & (
         ((phase == _FORWARD) & rowwise) | ((phase == _BACKWARD) & colwise))
+    # of a block's tensors, those computed from a split Linear's output (forward) or input
+    # gradient (backward) up to the partial sums; the block's path where no data flow
+    sources = flowing & in_region & matmul & ~split_vocabulary & (
+        ((phase == _FORWARD) & colwise) | ((phase == _BACKWARD) & rowwise))
     split_flowing = flowing & in_region & ~whole_partials
+    by_flow = split_by_data_flow(timeline, split_flowing, sources)
+    if by_flow is not None:
+        split_flowing = by_flow
     free_key = timeline.free_key.copy()
     views, free_key = _repeat_views(timeline, blocks, modules, tp, free_key)
     split_flowing &= ~views
