@@ -61,7 +61,7 @@ class SimulatedGpuMode(FakeTensorMode):
 
     def __init__(self, *, live_bytes: LiveFakeBytes | None = None,
                  placeholder_log: placeholders.PlaceholderLog | None = None,
-                 real_cpu: bool = False):
+                 real_cpu: bool = False, real_cpu_integers: bool = False):
         # real tensors (CPU data, numpy-made batches) mix in freely: they are converted
         # to fake tensors when an op meets them, as a copy to the GPU would
         super().__init__(allow_non_fake_inputs=True)
@@ -69,6 +69,8 @@ class SimulatedGpuMode(FakeTensorMode):
         self.placeholder_log = placeholder_log or placeholders.PlaceholderLog()
         #: small CPU tensors computed for real (``real_cpu.py``): on a simulated GPU
         self.real_cpu = real_cpu
+        #: on the CPU target: only small integer and bool results for real (real_cpu.py)
+        self.real_cpu_integers = real_cpu_integers and not real_cpu
         #: id(fake copy on the GPU) -> (weak reference to it, the small real CPU tensor it
         #: was copied from) (4. above); keyed by id: tensors compare elementwise, so a
         #: WeakKeyDictionary cannot hold them
@@ -114,7 +116,8 @@ class SimulatedGpuMode(FakeTensorMode):
             copied = self._host_round_trip(args[0], kwargs)
             if copied is not None:
                 return copied
-        if self.real_cpu and real_cpu.runs_for_real(func, args, kwargs, _VALUE_READS):
+        if (self.real_cpu or self.real_cpu_integers) and real_cpu.runs_for_real(
+                func, args, kwargs, _VALUE_READS, integers_only=self.real_cpu_integers):
             return func(*args, **kwargs)  # this mode is off inside its own dispatch
         handler = packed.HANDLERS.get(func)
         if handler is not None:  # shapes from real lengths (packed.py)

@@ -15,6 +15,9 @@ fake one (FakeTensorMode converts real inputs), as a host-to-device copy would.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.utils._pytree import tree_flatten, tree_map
@@ -25,11 +28,20 @@ REAL_ELEMENTS_LIMIT = 1 << 20
 
 _CPU = torch.device("cpu")
 
+#: what ids, lengths, counts, indices and masks are made of (``integers_only``); not uint8:
+#: raw bytes (``send_object_list`` pickles into a ByteTensor whose storage it then swaps)
+#: and pixels, which steer no shape
+INDEX_DTYPES = frozenset({torch.int16, torch.int32, torch.int64, torch.bool})
 
-def runs_for_real(func, args, kwargs, value_reads=frozenset()) -> bool:
+
+def runs_for_real(func, args, kwargs, value_reads=frozenset(), *,
+                  integers_only: bool = False) -> bool:
     """Whether ``func(*args, **kwargs)`` reads only real CPU tensors and makes only small
     CPU ones.  ``value_reads``: ops that read values (``item``, ``nonzero``): real on a
-    small real tensor, whose values are there to read."""
+    small real tensor, whose values are there to read.  ``integers_only`` (fake execution
+    on the CPU target, where every tensor is a CPU tensor and the device cannot tell data
+    from model): only ops that make ``INDEX_DTYPES`` tensors -- token ids, lengths, masks,
+    indices, the values that steer shapes and control flow -- never a float tensor."""
     if args:
         # the usual answer, without flattening every argument: an op on a fake tensor
         # (a foreach op: a list of them) stays fake
@@ -43,6 +55,10 @@ def runs_for_real(func, args, kwargs, value_reads=frozenset()) -> bool:
         if isinstance(leaf, torch.Tensor):
             if is_fake(leaf) or leaf.device.type != "cpu":
                 return False
+        elif isinstance(leaf, (torch.UntypedStorage, torch.TypedStorage)):
+            # ``set_`` onto a storage (send_object_list's pickled bytes): the storage may be
+            # a fake tensor's, which a real tensor cannot take
+            return False
         elif isinstance(leaf, torch.device) and leaf.type != "cpu":
             return False
         elif isinstance(leaf, str) and leaf.startswith(("cuda", "meta")):
@@ -53,11 +69,35 @@ def runs_for_real(func, args, kwargs, value_reads=frozenset()) -> bool:
     if func in value_reads:
         return all(leaf.numel() <= REAL_ELEMENTS_LIMIT for leaf in leaves
                    if isinstance(leaf, torch.Tensor))
-    return _small_cpu_outputs(func, args, kwargs)
+    if not _small_cpu_outputs(func, args, kwargs, integers_only):
+        return False
+    # a factory of torch.distributed's stays fake (a view of the script's data it takes,
+    # a pipeline's micro-batch of token ids, stays real)
+    return not (integers_only and not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+                and _for_torch_distributed())
 
 
-def _small_cpu_outputs(func, args, kwargs) -> bool:
-    """The op's outputs, from its meta kernel: all on the CPU, all small."""
+#: torch.distributed's own tensors: buffers a collective fills with another rank's values
+_DISTRIBUTED_DIR = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
+
+
+def _for_torch_distributed() -> bool:
+    """Whether torch.distributed makes this tensor (a pipeline stage's vote, a size before
+    ``recv_object_list``): buffers a collective fills with another rank's values.  On the
+    fake process group a collective fills nothing, so a real one would keep its initial
+    values (the vote read 0: dynamic shape inference instead of the real run's static one)
+    where a fake one answers placeholders."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_DISTRIBUTED_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _small_cpu_outputs(func, args, kwargs, integers_only: bool = False) -> bool:
+    """The op's outputs, from its meta kernel: all on the CPU, all small (and with
+    ``integers_only`` none of them floating point)."""
     def to_meta(value):
         if isinstance(value, torch.Tensor):
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
@@ -73,4 +113,6 @@ def _small_cpu_outputs(func, args, kwargs) -> bool:
     except Exception:  # noqa: BLE001 - no meta kernel or not a factory: stay fake
         return False
     outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if integers_only and any(o.dtype not in INDEX_DTYPES for o in outputs):
+        return False
     return all(o.numel() <= REAL_ELEMENTS_LIMIT for o in outputs)

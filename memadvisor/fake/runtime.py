@@ -196,7 +196,8 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
 
     run = FakeRun(gpu=profile, num_ranks=nproc, rank=rank)
     run.live_bytes = LiveFakeBytes()
-    run.mode = SimulatedGpuMode(live_bytes=run.live_bytes, real_cpu=profile is not None)
+    run.mode = SimulatedGpuMode(live_bytes=run.live_bytes, real_cpu=profile is not None,
+                                real_cpu_integers=profile is None)
     if not _active_lock.acquire(blocking=False):
         raise RuntimeError("fake execution is already running in this process")
     undo = []

@@ -186,6 +186,18 @@ def test_a_script_with_its_own_ddp_runs_on_fake_ranks(tmp_path):
     assert (rows.size_bytes == weight_bytes).sum() >= 3
 
 
+def test_integer_values_are_real_on_the_cpu_target(tmp_path):
+    """No GPU: every tensor is a CPU tensor, so size cannot tell data from model; the
+    small integer and bool results (lengths, masks) are real, float tensors stay fake."""
+    proc, trace_path = _profile(tmp_path, SCRIPTS / "cpu_values.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "shapes (14, 8) [3, 3, 2, 2, 2, 1, 1] (3, 7, 8) [7, 5, 2] (12,) 14" in proc.stdout
+    assert "read tensor values" not in proc.stderr  # no placeholder was needed
+    trace = read_trace(trace_path)
+    rows = trace.events[trace.events.action == "alloc"]
+    assert (rows.size_bytes == 14 * 8 * 4).any()  # the packed data: 14 rows of 8 floats
+
+
 def test_small_cpu_tensors_have_their_real_values(tmp_path):
     proc, trace_path = _profile(tmp_path, SCRIPTS / "cpu_values.py", "--gpu", "a100-40gb")
     assert proc.returncode == 0, proc.stderr
