@@ -3,7 +3,7 @@
     python benchmarks/verify_matrix.py                          # every zoo script x PLANS
     python benchmarks/verify_matrix.py --only vae,moe --plans accum=2,shard=zero2,world=2
     python benchmarks/verify_matrix.py --markdown docs/ACCURACY_ZOO.md --json out.json
-    python benchmarks/verify_matrix.py --measured-from docs/ACCURACY.md   # re-predict only
+    python benchmarks/verify_matrix.py --measured-from docs/ACCURACY.md --skip-executed   # re-predict only
 
 Per zoo script (``zoo/``, run with its defaults): one real profile on this CPU (3 steps),
 then per plan, all through the CLI a user has:
@@ -156,13 +156,8 @@ def run_case(script, trace: Path, plan: str, gpu: str | None, fsdp_runs: int,
     if analytic is None:
         return {**row, "skipped": why}
     row["analytic"] = analytic["peak_bytes"]
-    if reference is not None:
-        # the measurement of an earlier run (apply's side unchanged since): only the
-        # analytic prediction is made again
-        if (script.name, plan) not in reference:
-            return {**row, "skipped": "measured: not in the reference"}
-        return {**row, "executed": None, "executed_failed": "not run (--measured-from)",
-                "measured": reference[(script.name, plan)]}
+    if reference is not None and (script.name, plan) not in reference:
+        return {**row, "skipped": "measured: not in the reference"}
     if skip_executed:
         executed, why = None, "not run (--skip-executed)"
     else:
@@ -172,6 +167,10 @@ def run_case(script, trace: Path, plan: str, gpu: str | None, fsdp_runs: int,
     # a fake run that fails (values it cannot know) leaves the analytic case to measure
     row["executed"] = None if why else executed["verification"]["executed_peak_bytes"]
     row["executed_failed"] = why or None
+    if reference is not None:
+        # the measurement of an earlier run (apply's side unchanged since): the
+        # predictions are made again
+        return {**row, "measured": reference[(script.name, plan)]}
     measured, why = measured_runs(trace, plan, fsdp_runs)
     if why:
         return {**row, "skipped": f"measured: {why}"}
@@ -277,7 +276,8 @@ def main() -> int:
     parser.add_argument("--measured-from", type=Path, metavar="FILE",
                         help="reuse the measured peaks of an earlier run (its --json, or a "
                              "Markdown table such as docs/ACCURACY.md's 'Every case') and "
-                             "only predict again (minutes instead of an hour)")
+                             "only predict again (with --skip-executed: minutes instead of "
+                             "an hour)")
     parser.add_argument("--skip-executed", action="store_true",
                         help="leave out the fake-CPU execution (analytic and measured only)")
     parser.add_argument("--json", type=Path)

@@ -87,7 +87,9 @@ def parse_header(text: str, source: str = "<script>") -> dict:
 
 def zoo_scripts() -> list[ZooScript]:
     return [ZooScript(path, parse_header(path.read_text(), path.name))
-            for path in sorted(ZOO.glob("*.py")) if not path.name.startswith("_")]
+            # not a verification's transient copy (".NAME_memadvisor_verify_*.py", made
+            # beside the script while another benchmark runs one)
+            for path in sorted(ZOO.glob("*.py")) if not path.name.startswith(("_", "."))]
 
 
 def quiet_environment(threads: int = 1) -> dict:
