@@ -102,7 +102,33 @@ def install(rank: int, num_ranks: int) -> Patches:
             original_mesh_init(self, *args, **kwargs)
 
     patches.set(device_mesh.DeviceMesh, "__init__", mesh_init)
+    _same_objects_on_every_rank(patches, rank)
     return patches
+
+
+def _same_objects_on_every_rank(patches: Patches, rank: int) -> None:
+    """Object collectives (Lightning and the HF Trainer broadcast a run's name, a seed, a
+    log folder with ``broadcast_object_list``) pickle into byte tensors that the fake
+    group never fills -- unpickling them read a fake tensor (``.numpy()`` of a subclass).
+    A fake job's ranks run the same script, so what another rank sends is what this one
+    holds: broadcast keeps the local objects, all-gather and gather repeat them."""
+    def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        return None
+
+    def all_gather_object(object_list, obj, group=None):
+        object_list[:] = [obj] * len(object_list)
+
+    def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+        if object_gather_list is not None:
+            object_gather_list[:] = [obj] * len(object_gather_list)
+
+    for name, replacement in (("broadcast_object_list", broadcast_object_list),
+                              ("all_gather_object", all_gather_object),
+                              ("gather_object", gather_object)):
+        original = getattr(dist.distributed_c10d, name)
+        for module in list(sys.modules.values()):
+            if getattr(module, name, None) is original:
+                patches.set(module, name, replacement)
 
 
 def _fake_allreduce(_state, bucket):

@@ -71,6 +71,8 @@ class SimulatedGpuMode(FakeTensorMode):
         self.real_cpu = real_cpu
         #: on the CPU target: only small integer and bool results for real (real_cpu.py)
         self.real_cpu_integers = real_cpu_integers and not real_cpu
+        #: data pointers of real tensors a fake op wrote into (real_cpu.mark_stale)
+        self._stale_real: set[int] = set()
         #: id(fake copy on the GPU) -> (weak reference to it, the small real CPU tensor it
         #: was copied from) (4. above); keyed by id: tensors compare elementwise, so a
         #: WeakKeyDictionary cannot hold them
@@ -99,6 +101,12 @@ class SimulatedGpuMode(FakeTensorMode):
             self.placeholder_log.ops_dispatched += 1
             return metadata(args)
         kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "cpu" and device.index is not None:
+            # a real CPU tensor made on 'cpu:0' is on 'cpu' (the index is dropped); a fake
+            # one kept it and then mismatched every other CPU tensor (the HF Trainer's
+            # ranks on the CPU)
+            kwargs = {**kwargs, "device": torch.device("cpu")}
         if func in _NO_OPS:
             return None
         if func is _aten._pin_memory.default:
@@ -116,9 +124,12 @@ class SimulatedGpuMode(FakeTensorMode):
             copied = self._host_round_trip(args[0], kwargs)
             if copied is not None:
                 return copied
-        if (self.real_cpu or self.real_cpu_integers) and real_cpu.runs_for_real(
-                func, args, kwargs, _VALUE_READS, integers_only=self.real_cpu_integers):
-            return func(*args, **kwargs)  # this mode is off inside its own dispatch
+        if self.real_cpu or self.real_cpu_integers:
+            if real_cpu.runs_for_real(func, args, kwargs, _VALUE_READS,
+                                      integers_only=self.real_cpu_integers,
+                                      stale=self._stale_real):
+                return func(*args, **kwargs)  # this mode is off inside its own dispatch
+            real_cpu.mark_stale(func, args, kwargs, self._stale_real)
         handler = packed.HANDLERS.get(func)
         if handler is not None:  # shapes from real lengths (packed.py)
             out = handler(self._empty, *args, **kwargs)

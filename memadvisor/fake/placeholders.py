@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .recorded_sizes import line_key, upper_bound
+
 _aten = torch.ops.aten
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # all of memadvisor: the profiler's dispatch mode sits between a script and fake mode too
@@ -156,6 +158,9 @@ class PlaceholderLog:
         self._iterations: dict[str, list[int]] = {}
         #: ops the fake mode ran other than reads (mode.py counts them)
         self.ops_dispatched = 0
+        #: the lengths the real run's value-dependent ops returned, by line (verify passes
+        #: the profiled trace's; ``profile/value_sizes.py``): answered instead of the bound
+        self.recorded = None
 
     def record(self, op: str, value: object) -> None:
         location, inside_torch = _locate()
@@ -209,12 +214,20 @@ def answer(func, args, kwargs, log: PlaceholderLog, empty):
         value = True
     elif func in UPPER_BOUND_OPS:
         source = args[0]
+        length = bound = upper_bound(func, args)
+        recorded = None
+        if log.recorded:
+            filename, _, line = _locate()[0].rpartition(":")
+            recorded = log.recorded.length(line_key(filename, int(line or 0)), bound)
+        if recorded is not None:
+            length = recorded
         if func is _aten.masked_select.default:
-            shape = torch.broadcast_shapes(source.shape, args[1].shape)
-            value = empty((int(torch.Size(shape).numel()),), source.dtype, source.device)
+            value = empty((length,), source.dtype, source.device)
         else:
-            value = empty((source.numel(), source.dim()), torch.long, source.device)
-        log.record(str(func.overloadpacket), f"upper bound {tuple(value.shape)}")
+            value = empty((length, source.dim()), torch.long, source.device)
+        log.record(str(func.overloadpacket),
+                   f"upper bound {tuple(value.shape)}" if recorded is None else
+                   f"the profiled run's share at this line: {length} of {bound}")
         return value
     else:
         return NotImplemented

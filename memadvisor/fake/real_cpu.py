@@ -35,13 +35,15 @@ INDEX_DTYPES = frozenset({torch.int16, torch.int32, torch.int64, torch.bool})
 
 
 def runs_for_real(func, args, kwargs, value_reads=frozenset(), *,
-                  integers_only: bool = False) -> bool:
+                  integers_only: bool = False, stale=frozenset()) -> bool:
     """Whether ``func(*args, **kwargs)`` reads only real CPU tensors and makes only small
     CPU ones.  ``value_reads``: ops that read values (``item``, ``nonzero``): real on a
     small real tensor, whose values are there to read.  ``integers_only`` (fake execution
     on the CPU target, where every tensor is a CPU tensor and the device cannot tell data
     from model): only ops that make ``INDEX_DTYPES`` tensors -- token ids, lengths, masks,
-    indices, the values that steer shapes and control flow -- never a float tensor."""
+    indices, the values that steer shapes and control flow -- never a float tensor.
+    ``stale``: data pointers of real tensors a fake op wrote into (``mark_stale``): their
+    values are not what the run would hold, so what reads them stays fake."""
     if args:
         # the usual answer, without flattening every argument: an op on a fake tensor
         # (a foreach op: a list of them) stays fake
@@ -54,6 +56,8 @@ def runs_for_real(func, args, kwargs, value_reads=frozenset(), *,
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if is_fake(leaf) or leaf.device.type != "cpu":
+                return False
+            if stale and leaf.data_ptr() in stale:
                 return False
         elif isinstance(leaf, (torch.UntypedStorage, torch.TypedStorage)):
             # ``set_`` onto a storage (send_object_list's pickled bytes): the storage may be
@@ -71,28 +75,10 @@ def runs_for_real(func, args, kwargs, value_reads=frozenset(), *,
                    if isinstance(leaf, torch.Tensor))
     if not _small_cpu_outputs(func, args, kwargs, integers_only):
         return False
-    # a factory of torch.distributed's stays fake (a view of the script's data it takes,
-    # a pipeline's micro-batch of token ids, stays real)
+    # a factory torch calls on its own behalf stays fake (a view of the script's data it
+    # takes, a pipeline's micro-batch of token ids, stays real)
     return not (integers_only and not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
-                and _for_torch_distributed())
-
-
-#: torch.distributed's own tensors: buffers a collective fills with another rank's values
-_DISTRIBUTED_DIR = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
-
-
-def _for_torch_distributed() -> bool:
-    """Whether torch.distributed makes this tensor (a pipeline stage's vote, a size before
-    ``recv_object_list``): buffers a collective fills with another rank's values.  On the
-    fake process group a collective fills nothing, so a real one would keep its initial
-    values (the vote read 0: dynamic shape inference instead of the real run's static one)
-    where a fake one answers placeholders."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_DISTRIBUTED_DIR):
-            return True
-        frame = frame.f_back
-    return False
+                and _made_inside_torch())
 
 
 def _small_cpu_outputs(func, args, kwargs, integers_only: bool = False) -> bool:
@@ -116,3 +102,36 @@ def _small_cpu_outputs(func, args, kwargs, integers_only: bool = False) -> bool:
     if integers_only and any(o.dtype not in INDEX_DTYPES for o in outputs):
         return False
     return all(o.numel() <= REAL_ELEMENTS_LIMIT for o in outputs)
+
+
+_TORCH = os.path.dirname(torch.__file__)
+#: where torch makes tensors for itself: a collective's buffers (filled with another
+#: rank's values), decompositions' outputs (``one_hot``'s ``empty_strided`` that a
+#: ``copy_`` from a fake tensor then fills -- in a fake copy: the real one stays garbage)
+_INTERNAL_DIRS = tuple(os.path.join(_TORCH, name) + os.sep for name in (
+    "distributed", "_refs", "_prims", "_prims_common", "_decomp", "_functorch"))
+
+
+def _made_inside_torch() -> bool:
+    """Whether torch's own code (``_INTERNAL_DIRS``) is making this tensor: on the fake
+    process group a collective fills nothing, so a real buffer would keep its initial
+    values (a pipeline's vote read 0: dynamic shape inference instead of the real run's
+    static one), and a decomposition fills its output from fake tensors."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def mark_stale(func, args, kwargs, stale: set) -> None:
+    """A fake op about to write into a real tensor (``one_hot``'s ``zeros(...).scatter_``
+    with fake indices: FakeTensorMode mutates a fake copy, the real zeros stay zeros): its
+    data pointer joins ``stale``, so no op reads those values for real afterwards."""
+    if not func._schema.is_mutable:
+        return
+    for target in (args[0] if args else None, kwargs.get("out")):
+        if isinstance(target, torch.Tensor) and not is_fake(target) \
+                and target.device.type == "cpu":
+            stale.add(target.data_ptr())

@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..fake.placeholders import DataDependentLoop
+from ..fake.recorded_sizes import RecordedShares
 from ..fake.runtime import fake_execution
 from .attention_workspace import EfficientAttentionWorkspace
 from .gradient_accumulation import InPlaceAccumulation
@@ -190,9 +191,12 @@ def _innermost_user_line(exc: BaseException) -> str:
 def profile_fake_script(script: str | os.PathLike, args: list[str], output: str | os.PathLike,
                         *, gpu: str | None, num_ranks: int = 1, rank: int = 0,
                         steps: int | None = 3, timeout_s: float | None = None,
-                        step_boundary: str = "auto", on_step=None) -> ProfileResult:
+                        step_boundary: str = "auto", on_step=None,
+                        value_sizes: dict | None = None) -> ProfileResult:
     """Profile ``script`` under fake execution on ``gpu`` (None: fake CPU tensors, no GPU)
-    as ``rank`` of ``num_ranks``; the trace is always written (``ProfileResult``)."""
+    as ``rank`` of ``num_ranks``; the trace is always written (``ProfileResult``).
+    ``value_sizes``: a real profile's ``meta.extra['value_sizes']`` of the same script
+    (value-dependent lengths answered from it, ``profile/value_sizes.py``)."""
     from ..gpus import gpu_profile
     recorder = DeviceBytesRecorder()
     profile = gpu_profile(gpu) if gpu is not None else None
@@ -204,6 +208,8 @@ def profile_fake_script(script: str | os.PathLike, args: list[str], output: str 
         kernel_rules = (EfficientAttentionWorkspace(),
                         ReductionBuffers(profile.multi_processor_count, profile.capability))
     with fake_execution(gpu, num_ranks, rank, memory_stats=recorder) as run:
+        if value_sizes:
+            run.mode.placeholder_log.recorded = RecordedShares(value_sizes)
         extension = FakeProfile(run, recorder, workspaces, kernel_rules)
         return profile_script(script, args, output, steps=steps, timeout_s=timeout_s,
                               step_boundary=step_boundary, on_step=on_step,

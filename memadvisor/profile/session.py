@@ -38,6 +38,7 @@ from .modules import ModuleTracker, clean_path
 from .probes import probe_modules
 from .recorder import EventRecorder
 from .source import SourceLocator
+from .value_sizes import ValueSizes
 
 
 ENGINES = ("auto", "native", "dispatch")
@@ -97,6 +98,8 @@ class ProfileSession:
         #: the DataLoaders the script iterates: per batch, never per op (data_loaders.py)
         self.data_loaders = DataLoaderWatch(lambda: self.recorder.now_ns(), self.locator)
         self.modules = ModuleTracker(self._set_module, self._root_forward)
+        #: lengths of value-dependent results by line, for fake runs of the script
+        self.value_sizes = ValueSizes()
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
         self._optimizer_cycle = OptimizerCycle()  # GANs: one step = every optimizer once
         self._optimizer_depth = 0  # > 0 inside optimizer.step (a closure may run there)
@@ -151,6 +154,7 @@ class ProfileSession:
         self._patch_autograd()
         self._patch_storage_resize()
         self.data_loaders.install()
+        self.value_sizes.install()
         if self.engine == "dispatch":
             self.mode.__enter__()
         self._last_progress = time.monotonic()
@@ -338,6 +342,7 @@ class ProfileSession:
             torch.UntypedStorage.resize_ = self._original_resize
             self._original_resize = None
         self.data_loaders.uninstall()
+        self.value_sizes.uninstall()
         if self.mode.native is not None:
             self.mode.native.stop()
             self.mode.native.clear()
@@ -692,6 +697,8 @@ class ProfileSession:
                           "engine_reason": self.engine_status}
         if meta.device.startswith("cuda"):
             meta.allocator["settings"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if self.value_sizes.calls:
+            meta.extra["value_sizes"] = self.value_sizes.calls  # profile/value_sizes.py
         return table, meta
 
     def _op_stats(self) -> dict:

@@ -1,0 +1,73 @@
+"""Fake execution on the CPU target: which values are real (real_cpu.py) and how a
+value-dependent length is answered from the profiled run (recorded_sizes.py)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memadvisor.fake.recorded_sizes import RecordedShares
+from memadvisor.fake.runtime import fake_execution
+from memadvisor.profile import ProfileSession, StopProfiling
+
+
+def _is_fake(tensor) -> bool:
+    return hasattr(tensor, "fake_mode")
+
+
+def test_integer_data_is_real_and_a_decompositions_output_is_not():
+    with fake_execution(gpu=None):
+        tokens = torch.randint(0, 10, (4, 6))  # the script's data: real, its values known
+        lengths = (tokens != 0).sum(1)
+        logits = torch.randn(6, 4)  # float: fake
+        _, selected = torch.topk(logits, 2, dim=-1)
+        # one_hot decomposes into empty_strided + copy_ from a fake tensor: a real output
+        # would hold garbage (FakeTensorMode writes into a fake copy), so it is fake
+        mask = F.one_hot(selected, num_classes=4)
+        assert not _is_fake(tokens) and not _is_fake(lengths)
+        assert _is_fake(logits) and _is_fake(selected) and _is_fake(mask)
+        counts = torch.zeros(4, dtype=torch.long)  # real, then written by a fake op
+        counts.index_add_(0, selected[:, 0], torch.ones(6, dtype=torch.long))
+        assert _is_fake(counts + 1)  # its real values are stale: what reads it stays fake
+
+
+def test_a_value_dependent_length_is_the_profiled_share_of_its_bound():
+    recorded = RecordedShares({"idx = torch.where(m)": [[3, 12], [9, 12]]})
+    assert recorded.length("idx = torch.where(m)", 24) == 6  # 3/12 of 24
+    assert recorded.length("idx = torch.where(m)", 24) == 18  # the next call's share
+    assert recorded.length("idx = torch.where(m)", 24) == 6  # cycles
+    assert recorded.length("another line", 24) is None
+
+
+def _scripted_where(mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask)[0]
+
+
+def test_profile_records_each_value_dependent_length_by_line_text():
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+
+    def train():
+        # scripted while the entry points are wrapped (ZeroRedundancyOptimizer scripts
+        # functional optimizers on import): TorchScript still finds aten::where
+        assert torch.jit.script(_scripted_where)(mask).tolist() == [0, 0, 1]
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            rows, cols = torch.where(mask)  # 3 of 6
+            kept = torch.randn(2, 3).masked_select(mask)  # 3 of 6
+            nz = mask.nonzero()  # 3 of 6
+            (model(torch.randn(2, 3)).sum() + kept.sum() + nz.sum() + rows.sum()).backward()
+            optimizer.step()
+
+    session = ProfileSession(steps=2, probes=False)
+    try:
+        with session:
+            train()
+    except StopProfiling:  # after the second step, as asked
+        pass
+    _, meta = session.build()
+    sizes = meta.extra["value_sizes"]
+    assert sizes["rows, cols = torch.where(mask)  # 3 of 6"] == [[3, 6], [3, 6]]
+    assert sizes["kept = torch.randn(2, 3).masked_select(mask)  # 3 of 6"] == [[3, 6], [3, 6]]
+    assert sizes["nz = mask.nonzero()  # 3 of 6"] == [[3, 6], [3, 6]]
+    assert torch.where(mask)[0].tolist() == [0, 0, 1]  # unwrapped again, still torch's
+    assert not session.value_sizes._undo
