@@ -114,11 +114,14 @@ class Generator(nn.Module):
         return self.main(noise)
 
 
-def test_a_gan_step_is_one_iteration_of_both_optimizers():
+def _gan_training(optimizer_class):
+    """A GAN's loop, pytorch/examples style: per iteration the discriminator on a real and
+    a fake batch (two backward calls), then the generator.  Returns (train, the
+    iterations finished)."""
     netD = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))
     netG = Generator()
-    optimizerD = torch.optim.Adam(netD.parameters())
-    optimizerG = torch.optim.Adam(netG.parameters())
+    optimizerD = optimizer_class(netD.parameters())
+    optimizerG = optimizer_class(netG.parameters())
     criterion = nn.BCEWithLogitsLoss()
     iterations = []
 
@@ -135,6 +138,11 @@ def test_a_gan_step_is_one_iteration_of_both_optimizers():
             optimizerG.step()
             iterations.append(iteration)
 
+    return train, iterations
+
+
+def test_a_gan_step_is_one_iteration_of_both_optimizers():
+    train, iterations = _gan_training(torch.optim.Adam)
     events, meta = _profile(train, steps=2)
     assert meta.steps_completed == 2
     assert iterations == [0]  # stopped in iteration 1's generator step, not after one
@@ -162,25 +170,7 @@ class ShardWrapper(torch.optim.Optimizer):
 
 
 def test_an_optimizer_stepped_inside_another_is_part_of_its_step():
-    netD = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))
-    netG = Generator()
-    optimizerD, optimizerG = ShardWrapper(netD.parameters()), ShardWrapper(netG.parameters())
-    criterion = nn.BCEWithLogitsLoss()
-    iterations = []
-
-    def train():
-        for iteration in range(4):
-            real = torch.randn(6, 5)
-            netD.zero_grad()
-            criterion(netD(real), torch.ones(6, 1)).backward()
-            fake = netG(torch.randn(6, 3))
-            criterion(netD(fake.detach()), torch.zeros(6, 1)).backward()
-            optimizerD.step()
-            netG.zero_grad()
-            criterion(netD(fake), torch.ones(6, 1)).backward()
-            optimizerG.step()
-            iterations.append(iteration)
-
+    train, iterations = _gan_training(ShardWrapper)
     events, meta = _profile(train, steps=3)
     # before: the inner (shard) optimizers' steps were counted and covered half of the
     # parameters, so no step ended and profiling stopped after the first iteration
