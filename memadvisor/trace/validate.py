@@ -101,9 +101,14 @@ def mapping(spec, **special):
         for key, item in value.items():
             problem = special.get(key, spec)(item)
             if problem:
-                return f".{key}{_joined(problem)}"
+                return f".{_key(key)}{_joined(problem)}"
         return None
     return check
+
+
+def _key(key: str) -> str:
+    """A user's key as the one-line message shows it: quoted when it would break the line."""
+    return key if key.isprintable() and key else repr(key)
 
 
 def record(required: tuple[str, ...] = (), **specs):
