@@ -322,7 +322,7 @@ def _child_main(spec_path: str) -> int:
             spec["script"], spec["args"], spec["output"], gpu=spec["gpu"],
             num_ranks=spec["nproc"], rank=spec["rank"], steps=spec["steps"] or None,
             timeout_s=spec["timeout_s"], step_boundary=spec["step_boundary"],
-            value_sizes=spec.get("value_sizes"),
+            value_sizes=spec.get("value_sizes"), value_reads=spec.get("value_reads"),
             on_step=on_step)
     except (UserError, Exception) as exc:  # noqa: BLE001 - one line, never a traceback
         text = " ".join(str(exc).split()) or type(exc).__name__

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_iter
 
 from . import packed, placeholders, real_cpu
 from .memory import LiveFakeBytes
+from .norm_statistics import cpu_mixed_statistics
 
 _aten = torch.ops.aten
 #: ``_c10d_functional.wait_tensor``: returns its input (see ``dispatch``)
@@ -161,6 +162,7 @@ class SimulatedGpuMode(FakeTensorMode):
                 raise FakeOpUnsupported(_op_name(func), "no fake or meta kernel",
                                         placeholders.script_location()) from None
             raise
+        out = cpu_mixed_statistics(func, args, out, self._empty)
         self._track(out)
         if func is _aten._to_copy.default and isinstance(out, FakeTensor) \
                 and _is_small_real_cpu(args[0]):

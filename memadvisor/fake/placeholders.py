@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .recorded_sizes import line_key, upper_bound
+from .recorded_sizes import line_key, reader_key, upper_bound
 
 _aten = torch.ops.aten
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -161,6 +161,8 @@ class PlaceholderLog:
         #: the lengths the real run's value-dependent ops returned, by line (verify passes
         #: the profiled trace's; ``profile/value_sizes.py``): answered instead of the bound
         self.recorded = None
+        #: the scalar values the real run read, by line (``profile/value_sizes.py``)
+        self.recorded_reads = None
 
     def record(self, op: str, value: object) -> None:
         location, inside_torch = _locate()
@@ -207,9 +209,14 @@ def answer(func, args, kwargs, log: PlaceholderLog, empty):
     above; ``NotImplemented`` otherwise.  ``empty(shape, dtype, device)`` makes a fake
     tensor (the fake mode is not active inside its own dispatch)."""
     if func in SCALAR_OPS:
-        value = scalar_placeholder(args[0].dtype)
-        if _innermost_torch_function() in FINITE_CHECKS:
-            value = type(value)(0)  # gradients are finite: the step runs (see FINITE_CHECKS)
+        value = None
+        if log.recorded_reads:
+            # the value the real run read at this line (recorded_sizes.RecordedReads)
+            value = log.recorded_reads.value(reader_key(1), args[0].dtype)
+        if value is None:
+            value = scalar_placeholder(args[0].dtype)
+            if _innermost_torch_function() in FINITE_CHECKS:
+                value = type(value)(0)  # gradients are finite: the step runs (FINITE_CHECKS)
     elif func in TRUE_OPS:
         value = True
     elif func in UPPER_BOUND_OPS:

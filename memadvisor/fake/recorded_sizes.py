@@ -12,14 +12,33 @@ order (a plan changes the micro-batch, not what the data selects).
 
 Lines are keyed by their text (stripped), not number: the script verify runs is apply's
 rewrite, whose line numbers differ.
+
+The same holds for scalar reads (``item()``, ``bool(t)``, ``float(t)``): a fake tensor has no
+value, and a loop whose exit reads one (LBFGS's ``if opt_cond: break`` between closure
+calls: zoo/lbfgs_sine ran one closure call of its four, -50% against the real run) follows
+the placeholder.  The real profile records each read's value by the line that read it
+(``meta.extra['value_reads']``: the innermost frame that is not torch's dispatch plumbing,
+so LBFGS's own line inside torch.optim); a fake run of the same script answers each read
+at that line with the recorded values in order (:class:`RecordedReads`), so it takes the
+branches the real run took.
 """
 from __future__ import annotations
 
 import linecache
+import os
+import sys
 
 import torch
 
 _aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_MEMADVISOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch frames that only carry a read (dispatch, tensor methods, printing): the reader is
+#: the frame that called them
+PLUMBING = (_MEMADVISOR_DIR,) + tuple(_TORCH_DIR + name for name in (
+    "_subclasses" + os.sep, "utils" + os.sep + "_stats.py",
+    "utils" + os.sep + "_python_dispatch.py", "_ops.py", "_tensor.py", "_tensor_str.py",
+    "_compile.py", "_dynamo" + os.sep, "overrides.py"))
 
 
 def upper_bound(func, args) -> int:
@@ -33,6 +52,49 @@ def upper_bound(func, args) -> int:
 def line_key(filename: str, line: int) -> str:
     """The key of a source line: its text, stripped ('' where the file cannot be read)."""
     return linecache.getline(filename, line).strip() if filename and line else ""
+
+
+def reader_key(depth: int = 1) -> str:
+    """The line key of the innermost frame above the caller's ``depth`` that is neither this
+    package nor torch's plumbing: the line that read a value."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(PLUMBING) and not filename.startswith("<frozen"):
+            return line_key(filename, frame.f_lineno)
+        frame = frame.f_back
+    return ""
+
+
+class RecordedReads:
+    """Answers a fake run's scalar reads from the real run's values at the same line."""
+
+    def __init__(self, reads: dict | None):
+        self._values = {key: values for key, values in (reads or {}).items()
+                        if isinstance(values, list) and values}
+        self._next: dict[str, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._values)
+
+    def value(self, key: str, dtype: torch.dtype):
+        """The next recorded value read at ``key``, as ``dtype``'s Python type (None: the
+        line was not recorded)."""
+        values = self._values.get(key)
+        if not values:
+            return None
+        at = self._next.get(key, 0)
+        self._next[key] = at + 1
+        value = values[at % len(values)]
+        if not isinstance(value, (bool, int, float)):
+            return None
+        if dtype == torch.bool:
+            return bool(value)
+        if dtype.is_floating_point:
+            return float(value)
+        if dtype.is_complex:
+            return complex(value)
+        return int(value)
 
 
 class RecordedShares:

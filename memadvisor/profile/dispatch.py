@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
 from ..trace import schema
 from .recorder import EventRecorder
@@ -40,6 +41,10 @@ class TrackingMode(TorchDispatchMode):
         #: ``after_op(op_name, args, out)`` once an op's outputs are logged, where a caller adds
         #: memory a kernel holds that is no tensor (fake execution's cuBLAS workspaces)
         self.after_op = None
+        #: ``kernel_blocks(func, args, kwargs, out)``: the blocks a real kernel of this op
+        #: would allocate, in order (fake execution on the CPU target measures them,
+        #: ``cpu_scratch.py``), or None
+        self.kernel_blocks = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -72,6 +77,10 @@ class TrackingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if native is not None:
             self._absorb_native(native.drain_lists(), out, op_name, first_seq, inputs)
+        elif self.kernel_blocks is not None:
+            blocks = self.kernel_blocks(func, args, kwargs, out)
+            if blocks:
+                self._absorb_measured(blocks, out, op_name, inputs)
         cast = func in self.autocast_cast_ops
         for tensor in _tensors(out, None):
             storage = _storage(tensor)
@@ -154,6 +163,35 @@ class TrackingMode(TorchDispatchMode):
                 row = internal.pop(ptr, None)
                 if row is not None:
                     self.recorder.internal_free(row)
+
+    def _absorb_measured(self, blocks, out, op_name: str, inputs: tuple[int, ...]) -> None:
+        """Log a fake op's outputs and the raw blocks its real kernel takes in the order a
+        measurement of that kernel saw them (``kernel_blocks``): ``(+1, slot, bytes)`` an
+        output (``slot``: its position among the flattened outputs; an allocation larger
+        than the storage keeps its real size) or a raw block (``slot`` a name), ``(-1, name,
+        0)`` a raw block freed.  Outputs not in ``blocks`` are logged after, as usual."""
+        outputs = [item for item in tree_flatten(out)[0] if isinstance(item, _Tensor)]
+        internal = {}
+        source = None
+        for kind, slot, size in blocks:
+            if isinstance(slot, int):
+                if slot >= len(outputs):
+                    continue
+                tensor = outputs[slot]
+                storage = _storage(tensor)
+                if storage is not None and self.recorder.lookup(storage) is None:
+                    self._log_alloc(tensor, storage, op_name, max(size, storage.nbytes()),
+                                    inputs)
+            elif kind > 0:
+                if source is None:
+                    source = self.locator.locate(2)
+                internal[slot] = self.recorder.internal_alloc(size, "cpu", op_name, source)
+            else:
+                row = internal.pop(slot, None)
+                if row is not None:
+                    self.recorder.internal_free(row)
+        for row in internal.values():
+            self.recorder.internal_free(row)
 
     def _log_alloc(self, tensor, storage, op_name: str, size_bytes: int | None = None,
                    inputs: tuple[int, ...] = ()) -> None:

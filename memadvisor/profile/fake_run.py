@@ -21,9 +21,10 @@ from collections import Counter
 from pathlib import Path
 
 from ..fake.placeholders import DataDependentLoop
-from ..fake.recorded_sizes import RecordedShares
+from ..fake.recorded_sizes import RecordedReads, RecordedShares
 from ..fake.runtime import fake_execution
 from .attention_workspace import EfficientAttentionWorkspace
+from .cpu_scratch import CpuKernelBlocks, run_threads
 from .gradient_accumulation import InPlaceAccumulation
 from .kernel_memory import CublasWorkspaces, KeptLossStorage
 from .reduction_buffers import ReductionBuffers
@@ -94,10 +95,14 @@ class FakeProfile:
     """The profiler's extension for fake execution (``runner.profile_script``)."""
 
     def __init__(self, run, recorder: DeviceBytesRecorder, workspaces: CublasWorkspaces | None,
-                 kernel_rules: tuple = ()):
+                 kernel_rules: tuple = (), cpu_blocks: CpuKernelBlocks | None = None,
+                 cpu_blocks_reason: str = ""):
         self.run = run
         self.recorder = recorder
         self.workspaces = workspaces
+        #: the CPU target: real kernels' own blocks, measured per op signature
+        self.cpu_blocks = cpu_blocks
+        self.cpu_blocks_reason = cpu_blocks_reason
         #: more memory GPU kernels take that is no tensor (attention, reduction buffers)
         self.kernel_rules = list(kernel_rules)
         self.accumulation = InPlaceAccumulation()
@@ -124,6 +129,8 @@ class FakeProfile:
             for rule in rules:
                 rule.after_op(op_name, args, out)
         session.mode.after_op = after_op
+        if self.cpu_blocks is not None:
+            session.mode.kernel_blocks = self.cpu_blocks
         on_step = session.on_step
 
         def step_done(info: dict) -> None:
@@ -174,9 +181,24 @@ class FakeProfile:
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
             "gradient_accumulations_in_place": self.accumulation.merged,
         }
+        if self.cpu_blocks is not None:
+            meta.extra["fake"]["cpu_kernel_blocks"] = self.cpu_blocks.summary()
+        elif gpu is None:
+            meta.extra["fake"]["cpu_kernel_blocks"] = {"unavailable": self.cpu_blocks_reason}
         meta.allocator["fake"] = True
         if gpu is not None:
             meta.device_name = gpu.device_name
+
+
+def _cpu_kernel_blocks(num_ranks: int) -> tuple[CpuKernelBlocks | None, str]:
+    """The CPU target's kernel-block measurements (the native allocator hook measures them),
+    or None and why not."""
+    from .native import AllocatorHook, NativeHookUnavailable
+    try:
+        hook = AllocatorHook.load()
+    except NativeHookUnavailable as exc:
+        return None, exc.reason
+    return CpuKernelBlocks(hook, run_threads(num_ranks)), ""
 
 
 def _innermost_user_line(exc: BaseException) -> str:
@@ -192,11 +214,13 @@ def profile_fake_script(script: str | os.PathLike, args: list[str], output: str 
                         *, gpu: str | None, num_ranks: int = 1, rank: int = 0,
                         steps: int | None = 3, timeout_s: float | None = None,
                         step_boundary: str = "auto", on_step=None,
-                        value_sizes: dict | None = None) -> ProfileResult:
+                        value_sizes: dict | None = None,
+                        value_reads: dict | None = None) -> ProfileResult:
     """Profile ``script`` under fake execution on ``gpu`` (None: fake CPU tensors, no GPU)
     as ``rank`` of ``num_ranks``; the trace is always written (``ProfileResult``).
     ``value_sizes``: a real profile's ``meta.extra['value_sizes']`` of the same script
-    (value-dependent lengths answered from it, ``profile/value_sizes.py``)."""
+    (value-dependent lengths answered from it, ``profile/value_sizes.py``); ``value_reads``:
+    its ``meta.extra['value_reads']`` (scalar reads answered from it)."""
     from ..gpus import gpu_profile
     recorder = DeviceBytesRecorder()
     profile = gpu_profile(gpu) if gpu is not None else None
@@ -207,10 +231,13 @@ def profile_fake_script(script: str | os.PathLike, args: list[str], output: str 
                                       os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
         kernel_rules = (EfficientAttentionWorkspace(),
                         ReductionBuffers(profile.multi_processor_count, profile.capability))
+    cpu_blocks, reason = (None, "") if profile is not None else _cpu_kernel_blocks(num_ranks)
     with fake_execution(gpu, num_ranks, rank, memory_stats=recorder) as run:
         if value_sizes:
             run.mode.placeholder_log.recorded = RecordedShares(value_sizes)
-        extension = FakeProfile(run, recorder, workspaces, kernel_rules)
+        if value_reads:
+            run.mode.placeholder_log.recorded_reads = RecordedReads(value_reads)
+        extension = FakeProfile(run, recorder, workspaces, kernel_rules, cpu_blocks, reason)
         return profile_script(script, args, output, steps=steps, timeout_s=timeout_s,
                               step_boundary=step_boundary, on_step=on_step,
                               extension=extension)

@@ -38,7 +38,7 @@ from .modules import ModuleTracker, clean_path
 from .probes import probe_modules
 from .recorder import EventRecorder
 from .source import SourceLocator
-from .value_sizes import ValueSizes
+from .value_sizes import ValueReads, ValueSizes
 
 
 ENGINES = ("auto", "native", "dispatch")
@@ -100,6 +100,8 @@ class ProfileSession:
         self.modules = ModuleTracker(self._set_module, self._root_forward)
         #: lengths of value-dependent results by line, for fake runs of the script
         self.value_sizes = ValueSizes()
+        #: scalar values the script read by line, for fake runs of the script
+        self.value_reads = ValueReads()
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
         self._optimizer_cycle = OptimizerCycle()  # GANs: one step = every optimizer once
         self._optimizer_depth = 0  # > 0 inside optimizer.step (a closure may run there)
@@ -155,6 +157,7 @@ class ProfileSession:
         self._patch_storage_resize()
         self.data_loaders.install()
         self.value_sizes.install()
+        self.value_reads.install()
         if self.engine == "dispatch":
             self.mode.__enter__()
         self._last_progress = time.monotonic()
@@ -343,6 +346,7 @@ class ProfileSession:
             self._original_resize = None
         self.data_loaders.uninstall()
         self.value_sizes.uninstall()
+        self.value_reads.uninstall()
         if self.mode.native is not None:
             self.mode.native.stop()
             self.mode.native.clear()
@@ -699,6 +703,8 @@ class ProfileSession:
             meta.allocator["settings"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         if self.value_sizes.calls:
             meta.extra["value_sizes"] = self.value_sizes.calls  # profile/value_sizes.py
+        if self.value_reads.values:
+            meta.extra["value_reads"] = self.value_reads.values
         return table, meta
 
     def _op_stats(self) -> dict:

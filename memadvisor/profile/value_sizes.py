@@ -1,13 +1,14 @@
-"""Record how many elements the script's value-dependent ops returned, by source line,
-for fake runs of the same script (``fake/recorded_sizes.py`` says why and how they are
-answered)."""
+"""Record how many elements the script's value-dependent ops returned, and the scalar
+values it read, by source line, for fake runs of the same script
+(``fake/recorded_sizes.py`` says why and how they are answered)."""
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
 
-from ..fake.recorded_sizes import line_key
+from ..fake.recorded_sizes import line_key, reader_key
 
 #: calls kept per line (a long run repeats the pattern of its first steps)
 MAX_CALLS_PER_LINE = 4096
@@ -72,6 +73,59 @@ class ValueSizes:
         while self._undo:
             owner, name, original = self._undo.pop()
             setattr(owner, name, original)
+
+
+#: the Python entry points of a scalar read (each ends in aten's _local_scalar_dense)
+READ_METHODS = ("item", "__bool__", "__float__", "__int__", "__index__")
+#: values kept per line, and lines kept
+MAX_READS_PER_LINE = 4096
+MAX_READ_LINES = 256
+
+
+class ValueReads:
+    """``key -> [value, ...]`` of one real run's scalar reads (``item()``, ``bool(t)``,
+    ``float(t)``, ``int(t)``), in call order, by the line that read them
+    (``recorded_sizes.reader_key``)."""
+
+    def __init__(self):
+        self.values: dict[str, list] = {}
+        self._undo: list = []
+
+    def _wrap(self, name: str) -> None:
+        original = getattr(torch.Tensor, name)
+        own = name in torch.Tensor.__dict__  # else inherited from TensorBase: restored by del
+        values = self.values
+
+        def wrapper(tensor, *args, **kwargs):
+            out = original(tensor, *args, **kwargs)
+            try:
+                if isinstance(out, (bool, int, float)) and _real(tensor):
+                    key = reader_key(2)
+                    calls = values.get(key)
+                    if calls is None and key and len(values) < MAX_READ_LINES:
+                        calls = values[key] = []
+                    if calls is not None and len(calls) < MAX_READS_PER_LINE:
+                        calls.append(out if math.isfinite(out) else None)
+            except Exception:  # noqa: BLE001 - recording never breaks the script
+                pass
+            return out
+
+        wrapper.__name__ = wrapper.__qualname__ = name
+        wrapper.__doc__ = original.__doc__
+        setattr(torch.Tensor, name, wrapper)
+        self._undo.append((name, original if own else None))
+
+    def install(self) -> None:
+        for name in READ_METHODS:
+            self._wrap(name)
+
+    def uninstall(self) -> None:
+        while self._undo:
+            name, original = self._undo.pop()
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
 
 
 def _real(tensor) -> bool:

@@ -104,7 +104,7 @@ def verify_plan(script: RecordedScript, meta, plan: Plan, hw, *, ranks=None,
                     server = own.enter_context(ChildServer())
                 result = _fake(script, copy, plan, hw, steps, ranks,
                                slots or ChildSlots(os.cpu_count() or 1), server,
-                               (meta.extra or {}).get("value_sizes"))
+                               recorded_values(meta))
         else:
             result = _real(script, copy, plan, steps)
         # messages name the user's script and its lines, not the hidden copy that ran
@@ -183,10 +183,17 @@ def ranks_to_run(world: int, ranks=None) -> list[int]:
 
 
 # --- GPU targets: fake execution --------------------------------------------------------
+def recorded_values(meta) -> dict:
+    """What the profiled run's values decided, for a fake run of its script: lengths of
+    value-dependent results and scalar reads, by line (``profile/value_sizes.py``)."""
+    extra = meta.extra or {}
+    return {"value_sizes": extra.get("value_sizes"), "value_reads": extra.get("value_reads")}
+
+
 def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks,
-          slots: ChildSlots, server, value_sizes: dict | None = None) -> Verification:
-    """``value_sizes``: the profiled run's value-dependent lengths by line, answered to the
-    fake run (``fake/recorded_sizes.py``)."""
+          slots: ChildSlots, server, recorded: dict | None = None) -> Verification:
+    """``recorded``: the profiled run's value-dependent lengths and scalar reads by line
+    (:func:`recorded_values`), answered to the fake run (``fake/recorded_sizes.py``)."""
     from ..commands.profile_fake import run_child
     from ..gpus import gpu_profile
     gpu = gpu_profile(hw.name) if hw.device_type == "cuda" else None
@@ -214,7 +221,7 @@ def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks,
             spec = {"script": str(copy), "args": script.args, "output": str(output),
                     "gpu": gpu.name if gpu else None, "nproc": plan.world, "rank": rank,
                     "steps": steps, "timeout_s": FAKE_STEP_TIMEOUT_S,
-                    "step_boundary": "auto", "quiet": True, "value_sizes": value_sizes}
+                    "step_boundary": "auto", "quiet": True, **(recorded or {})}
             asked = time.monotonic()
             with slots.slot(plan_cost(plan), key=(plan.to_compact(), rank)):
                 waits.append(time.monotonic() - asked)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memadvisor.fake.recorded_sizes import RecordedShares
+from memadvisor.fake.recorded_sizes import RecordedReads, RecordedShares
 from memadvisor.fake.runtime import fake_execution
 from memadvisor.profile import ProfileSession, StopProfiling
 
@@ -71,3 +71,55 @@ def test_profile_records_each_value_dependent_length_by_line_text():
     assert sizes["nz = mask.nonzero()  # 3 of 6"] == [[3, 6], [3, 6]]
     assert torch.where(mask)[0].tolist() == [0, 0, 1]  # unwrapped again, still torch's
     assert not session.value_sizes._undo
+
+
+def _lbfgs_closure_calls() -> int:
+    """Two LBFGS steps (up to four closure calls each): the calls LBFGS's own stopping
+    tests allowed, which read tensor values inside torch.optim."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, generator=generator)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]])
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        optimizer.step(closure)
+    return len(calls)
+
+
+def test_scalar_reads_are_answered_with_the_profiled_runs_values_by_line():
+    session = ProfileSession(steps=3, probes=False)  # more than the run has: it ends
+    with session:
+        real_calls = _lbfgs_closure_calls()
+    _, meta = session.build()
+    reads = meta.extra["value_reads"]
+    assert reads["if opt_cond:"] and all(value is False for value in reads["if opt_cond:"])
+    assert not session.value_reads._undo and "item" not in torch.Tensor.__dict__
+    assert real_calls > 2  # the stopping tests let LBFGS evaluate more than once per step
+    with fake_execution(gpu=None) as run:
+        fake_default = _lbfgs_closure_calls()
+    with fake_execution(gpu=None) as run:
+        run.mode.placeholder_log.recorded_reads = RecordedReads(reads)
+        fake_recorded = _lbfgs_closure_calls()
+    # placeholders (bool = True) stop each step at its first test; the recorded values
+    # take the real run's branches
+    assert fake_default < real_calls
+    assert fake_recorded == real_calls
+
+
+def test_recorded_reads_answer_in_order_as_the_tensors_type():
+    reads = RecordedReads({"a": [0.5, 2.0], "flag": [False], "bad": [None]})
+    assert reads.value("a", torch.float32) == 0.5
+    assert reads.value("a", torch.int64) == 2
+    assert reads.value("a", torch.float64) == 0.5  # cycles
+    assert reads.value("flag", torch.bool) is False
+    assert reads.value("bad", torch.float32) is None  # not finite when recorded
+    assert reads.value("other", torch.float32) is None
