@@ -127,6 +127,7 @@ class ProfileSession:
         self._stop_after_backward = False
         self._model_snapshot: dict = {}
         self._original_resize = None
+        self._original_get_rng_state = None
         # id(parameter) -> owning module path ('blocks.0.attn'); ids stay valid because the
         # model outlives every step we record
         self._param_owner: dict[int, str] = {}
@@ -155,6 +156,7 @@ class ProfileSession:
             self._start_native_hook()
         self._patch_autograd()
         self._patch_storage_resize()
+        self._patch_rng_state()
         self.data_loaders.install()
         self.value_sizes.install()
         self.value_reads.install()
@@ -295,6 +297,29 @@ class ProfileSession:
 
         torch.UntypedStorage.resize_ = resize_
 
+    def _patch_rng_state(self) -> None:
+        """``torch.get_rng_state()`` makes a CPU tensor (5,056 B: the generator's state) in
+        C++, outside any aten op, so the dispatch mode never sees it; checkpointing keeps
+        one per checkpointed call from forward to its recompute, and the recompute's
+        ``fork_rng`` makes another for its length (zoo/dcgan checkpoint=auto: 2 x 5,056 B
+        at the peak of the real run, missing from the fake one).  The native engine sees
+        the block itself; the dispatch engine logs the tensor when it is made."""
+        if self.engine == "native":
+            return
+        original = torch.get_rng_state
+        self._original_get_rng_state = original
+        mode = self.mode
+
+        def get_rng_state():
+            state = original()
+            storage = state.untyped_storage()
+            if mode.recorder.lookup(storage) is None:
+                mode._log_alloc(state, storage, "torch.get_rng_state")
+            return state
+
+        get_rng_state.__doc__ = original.__doc__
+        torch.get_rng_state = torch.random.get_rng_state = get_rng_state
+
     def _native_resize(self, original, storage, size):
         """The op tracker sees the blocks (when the storage's allocator is the hooked
         one); name them after resize_ and carry the storage's category over."""
@@ -344,6 +369,9 @@ class ProfileSession:
         if self._original_resize is not None:
             torch.UntypedStorage.resize_ = self._original_resize
             self._original_resize = None
+        if self._original_get_rng_state is not None:
+            torch.get_rng_state = torch.random.get_rng_state = self._original_get_rng_state
+            self._original_get_rng_state = None
         self.data_loaders.uninstall()
         self.value_sizes.uninstall()
         self.value_reads.uninstall()

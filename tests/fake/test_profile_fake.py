@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from memadvisor.trace import analysis
 from memadvisor.trace.io import read_trace
@@ -143,7 +144,8 @@ def test_bad_input_is_one_line(tmp_path):
     (CHECKOUT / "examples" / "gpt_lm.py", ("--steps", "2")),
     (SCRIPTS / "conv_train.py", ()),
     (SCRIPTS / "conv_train.py", ("--bf16",)),
-], ids=["gpt_lm", "conv", "conv-bf16"])
+    (SCRIPTS / "conv_train.py", ("--checkpoint",)),
+], ids=["gpt_lm", "conv", "conv-bf16", "conv-checkpoint"])
 def test_fake_cpu_run_has_the_real_runs_peak_kernel_blocks_included(tmp_path, script, args):
     """Without --gpu the script runs on fake CPU tensors; what real kernels allocate for
     themselves (dtype 'bytes': oneDNN scratch, im2col buffers) is measured on this machine
@@ -174,6 +176,11 @@ def test_fake_cpu_run_has_the_real_runs_peak_kernel_blocks_included(tmp_path, sc
     tensors_only = fake_trace.events[fake_trace.events.dtype != "bytes"]
     assert int(analysis.live_bytes(tensors_only[["action", "size_bytes"]]).max()) \
         <= max(fake_peaks)
+    if "--checkpoint" in args:
+        # the generator's state each checkpointed call keeps (made outside any op)
+        states = fake_trace.events[fake_trace.events.op == "torch.get_rng_state"]
+        assert len(states) > 0
+        assert set(states.size_bytes) == {torch.get_rng_state().untyped_storage().nbytes()}
 
 
 def test_deep_copies_of_fake_modules_share_the_mode(tmp_path):
