@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import checkpoint_replay
 from .recorded_sizes import line_key, reader_key, upper_bound
 
 _aten = torch.ops.aten
@@ -208,6 +209,16 @@ def answer(func, args, kwargs, log: PlaceholderLog, empty):
     """The placeholder for ``func(*args, **kwargs)``, if it is one of the value-reading ops
     above; ``NotImplemented`` otherwise.  ``empty(shape, dtype, device)`` makes a fake
     tensor (the fake mode is not active inside its own dispatch)."""
+    again = checkpoint_replay.replayed(func)  # a checkpoint's recompute: as its forward
+    if again is not None:
+        value = again
+        if func in UPPER_BOUND_OPS:
+            source = args[0]
+            value = (empty((again,), source.dtype, source.device)
+                     if func is _aten.masked_select.default else
+                     empty((again, source.dim()), torch.long, source.device))
+        log.record(str(func.overloadpacket), "the checkpointed forward's answer")
+        return value
     if func in SCALAR_OPS:
         value = None
         if log.recorded_reads:
@@ -232,11 +243,13 @@ def answer(func, args, kwargs, log: PlaceholderLog, empty):
             value = empty((length,), source.dtype, source.device)
         else:
             value = empty((length, source.dim()), torch.long, source.device)
+        checkpoint_replay.keep(func, length)
         log.record(str(func.overloadpacket),
                    f"upper bound {tuple(value.shape)}" if recorded is None else
                    f"the profiled run's share at this line: {length} of {bound}")
         return value
     else:
         return NotImplemented
+    checkpoint_replay.keep(func, value)
     log.record(str(func.overloadpacket), value)
     return value

@@ -190,8 +190,8 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
     loaded = _load_shim(nproc) if profile is not None else shim_module.loaded()
     import torch  # after the shim: torch's import resolves the CUDA hooks
 
-    from . import (cuda_stubs, cudnn_rnn, distributed, fused_kernels, initializers, libraries,
-                   modules, sdpa)
+    from . import (checkpoint_replay, cuda_stubs, cudnn_rnn, distributed, fused_kernels,
+                   initializers, libraries, modules, sdpa)
     from .memory import LiveFakeBytes
     from .mode import SimulatedGpuMode
 
@@ -216,6 +216,7 @@ def fake_execution(gpu: str | None = "h100-80gb", nproc: int = 1, rank: int = 0,
         undo.append(modules.install(run.mode))
         undo.append(initializers.install())
         undo.append(libraries.install(run.mode))
+        undo.append(checkpoint_replay.install())
         undo.append(_track_storage_resizes(run.live_bytes))
         undo.append(_real_data_workers())
         undo.append(_real_tensors_copy_as_real())

@@ -123,3 +123,31 @@ def test_recorded_reads_answer_in_order_as_the_tensors_type():
     assert reads.value("flag", torch.bool) is False
     assert reads.value("bad", torch.float32) is None  # not finite when recorded
     assert reads.value("other", torch.float32) is None
+
+
+def _routed(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    rows = torch.where(mask)[0]  # routed rows: their count is the recorded share
+    return x[rows].sin().sum(0)
+
+
+def test_a_checkpoints_recompute_gets_its_forwards_answers():
+    """The recorded shares cycle 1/4, 3/4 call by call; a checkpointed call's recompute
+    must see the length its forward saw, or checkpoint refuses the recomputed shapes."""
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint
+    line = next(text.strip() for text in inspect.getsource(_routed).splitlines()
+                if "torch.where(mask)" in text)
+    with fake_execution(gpu=None) as run:
+        run.mode.placeholder_log.recorded = RecordedShares({line: [[1, 4], [3, 4]]})
+        x = torch.randn(8, 4, requires_grad=True)
+        mask = torch.randn(8) > 0  # fake: the length is answered
+        first = checkpoint(_routed, x, mask, use_reentrant=False)
+        second = checkpoint(_routed, x, mask, use_reentrant=False)
+        (first + second).sum().backward()  # recomputes both, second first
+        assert x.grad is not None and x.grad.shape == (8, 4)
+        answers = [use.value for use in run.placeholder_log.uses if "where" in use.op
+                   or "nonzero" in use.op]
+    assert answers[:2] == [repr("the profiled run's share at this line: 2 of 8"),
+                           repr("the profiled run's share at this line: 6 of 8")]
+    assert answers[2:] == [repr("the checkpointed forward's answer")] * 2
