@@ -25,6 +25,7 @@ from ..fake.recorded_sizes import RecordedReads, RecordedShares
 from ..fake.runtime import fake_execution
 from .attention_workspace import EfficientAttentionWorkspace
 from .cpu_scratch import CpuKernelBlocks, run_threads
+from .gloo_buffers import GlooCollectiveBuffers
 from .gradient_accumulation import InPlaceAccumulation
 from .kernel_memory import CublasWorkspaces, KeptLossStorage
 from .reduction_buffers import ReductionBuffers
@@ -103,6 +104,7 @@ class FakeProfile:
         #: the CPU target: real kernels' own blocks, measured per op signature
         self.cpu_blocks = cpu_blocks
         self.cpu_blocks_reason = cpu_blocks_reason
+        self.gloo: GlooCollectiveBuffers | None = None
         #: more memory GPU kernels take that is no tensor (attention, reduction buffers)
         self.kernel_rules = list(kernel_rules)
         self.accumulation = InPlaceAccumulation()
@@ -121,6 +123,9 @@ class FakeProfile:
         rules = [self.accumulation, KeptLossStorage()]
         if self.workspaces is not None:
             rules.append(self.workspaces)
+        if self.run.gpu is None:  # the CPU target: FSDP's collectives run on gloo
+            self.gloo = GlooCollectiveBuffers()
+            rules.append(self.gloo)
         rules += self.kernel_rules
         for rule in rules:
             rule.attach(session)
@@ -157,6 +162,11 @@ class FakeProfile:
             return error, ""
         return f"{error} (at {_innermost_user_line(exc)})", ""
 
+    def close(self) -> None:
+        """Undo what ``attach`` patched (the run ended, however it ended)."""
+        if self.gloo is not None:
+            self.gloo.uninstall()
+
     def finish(self, meta) -> None:
         gpu = self.run.gpu
         log = self.run.placeholder_log
@@ -180,6 +190,7 @@ class FakeProfile:
             "cublas_workspaces": self.workspaces.made if self.workspaces else [],
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
             "gradient_accumulations_in_place": self.accumulation.merged,
+            "gloo_collective_blocks": self.gloo.blocks if self.gloo else 0,
         }
         if self.cpu_blocks is not None:
             meta.extra["fake"]["cpu_kernel_blocks"] = self.cpu_blocks.summary()
@@ -238,9 +249,12 @@ def profile_fake_script(script: str | os.PathLike, args: list[str], output: str 
         if value_reads:
             run.mode.placeholder_log.recorded_reads = RecordedReads(value_reads)
         extension = FakeProfile(run, recorder, workspaces, kernel_rules, cpu_blocks, reason)
-        return profile_script(script, args, output, steps=steps, timeout_s=timeout_s,
-                              step_boundary=step_boundary, on_step=on_step,
-                              extension=extension)
+        try:
+            return profile_script(script, args, output, steps=steps, timeout_s=timeout_s,
+                                  step_boundary=step_boundary, on_step=on_step,
+                                  extension=extension)
+        finally:
+            extension.close()
 
 
 __all__ = ["DeviceBytesRecorder", "FakeProfile", "profile_fake_script"]

@@ -228,3 +228,38 @@ def test_small_cpu_tensors_have_their_real_values(tmp_path):
     rows = trace.events[(trace.events.device == "cuda:0") & (trace.events.action == "alloc")]
     # the packed data on the GPU: 14 rows of 8 floats
     assert (rows.size_bytes == 14 * 8 * 4).any()
+
+
+FSDP_ON_CPU = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(8, 64)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_on_the_cpu_has_gloos_collective_blocks(tmp_path):
+    """FSDP on the CPU target runs on gloo, whose all-gather takes a block of its output's
+    size and whose reduce-scatter copies its input (profile/gloo_buffers.py): each layer's
+    unsharded parameters, in bytes, on both."""
+    script = tmp_path / "fsdp_cpu.py"
+    script.write_text(FSDP_ON_CPU)
+    proc, trace = _profile(tmp_path, script, "--nproc", "2", "--rank", "0", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    events = read_trace(trace).events
+    layers = {(64 * 128 + 128) * 4, (128 * 64 + 64) * 4}
+    gathered = events[(events.op == "c10d::_allgather_base_") & (events.action == "alloc")]
+    scattered = events[(events.op == "c10d::_reduce_scatter_base_") & (events.action == "alloc")]
+    assert len(gathered) >= 4 and set(gathered.size_bytes) <= layers
+    assert len(scattered) >= 2 and set(scattered.size_bytes) <= layers
+    assert read_trace(trace).meta.extra["fake"]["gloo_collective_blocks"] == \
+        len(gathered) + len(scattered)
