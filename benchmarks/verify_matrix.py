@@ -11,7 +11,7 @@ then per plan, all through the CLI a user has:
 * **analytic**: ``simulate TRACE --plan P --json`` (the cpu target): ``peak_bytes``;
 * **executed**: ``simulate ... --verify --verify-by fake``: the script rewritten by
   ``apply`` and run on fake CPU tensors (ranks 0 and the last on a fake process group),
-  its last step's peak (no CPU kernel scratch: fake tensors run no kernels);
+  its last step's peak (each op's CPU kernel blocks measured on this machine, docs/FAKE.md);
 * **measured**: ``simulate ... --verify --verify-by real``: the same rewrite run for real
   (``apply --profile``; torchrun on gloo for several ranks), the worst rank's last-step
   peak.  FSDP plans (zero2/zero3) measure ``--fsdp-runs`` times and keep the highest

@@ -26,8 +26,9 @@ from ..terminal import safe_text
               help="With --verify on a GPU: the ranks to execute (repeatable) [default: 0 "
                    "and the last].")
 @click.option("--verify-by", "verify_by", type=click.Choice(["fake", "real"]), default=None,
-              help="With --verify: 'fake' tensors (the default on a GPU; on the cpu target it "
-                   "leaves out CPU kernel scratch) or a 'real' run (the cpu target's default).")
+              help="With --verify: 'fake' tensors (the default on a GPU; on the cpu target each "
+                   "op's kernel blocks are measured on this machine) or a 'real' run (the "
+                   "cpu target's default).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
 def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, verify_by, as_json):
     """Predict one plan's per-rank peak memory and step-time cost, without running it."""

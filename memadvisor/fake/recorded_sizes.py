@@ -66,26 +66,37 @@ def reader_key(depth: int = 1) -> str:
     return ""
 
 
-class RecordedReads:
-    """Answers a fake run's scalar reads from the real run's values at the same line."""
+class _ByLine:
+    """Recorded items per line key, handed out in call order (cycling: a longer run repeats
+    the recorded pattern)."""
 
-    def __init__(self, reads: dict | None):
-        self._values = {key: values for key, values in (reads or {}).items()
-                        if isinstance(values, list) and values}
+    def __init__(self, items: dict):
+        self._items = items
         self._next: dict[str, int] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._values)
+        return bool(self._items)
+
+    def _take(self, key: str):
+        items = self._items.get(key)
+        if not items:
+            return None
+        at = self._next.get(key, 0)
+        self._next[key] = at + 1
+        return items[at % len(items)]
+
+
+class RecordedReads(_ByLine):
+    """Answers a fake run's scalar reads from the real run's values at the same line."""
+
+    def __init__(self, reads: dict | None):
+        super().__init__({key: values for key, values in (reads or {}).items()
+                          if isinstance(values, list) and values})
 
     def value(self, key: str, dtype: torch.dtype):
         """The next recorded value read at ``key``, as ``dtype``'s Python type (None: the
         line was not recorded)."""
-        values = self._values.get(key)
-        if not values:
-            return None
-        at = self._next.get(key, 0)
-        self._next[key] = at + 1
-        value = values[at % len(values)]
+        value = self._take(key)
         if not isinstance(value, (bool, int, float)):
             return None
         if dtype == torch.bool:
@@ -97,23 +108,17 @@ class RecordedReads:
         return int(value)
 
 
-class RecordedShares:
+class RecordedShares(_ByLine):
     """Answers a fake run's value-sized op from the real run's calls at the same line."""
 
     def __init__(self, calls: dict | None):
-        self._shares = {key: [length / bound if bound else 0.0 for length, bound in pairs]
-                        for key, pairs in (calls or {}).items() if pairs}
-        self._next: dict[str, int] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._shares)
+        super().__init__({key: [length / bound if bound else 0.0 for length, bound in pairs]
+                          for key, pairs in (calls or {}).items() if pairs})
 
     def length(self, key: str, bound: int) -> int | None:
         """The length for the next call at ``key`` with upper bound ``bound`` (None: the
         line was not recorded)."""
-        shares = self._shares.get(key)
-        if not shares:
+        share = self._take(key)
+        if share is None:
             return None
-        at = self._next.get(key, 0)
-        self._next[key] = at + 1
-        return min(bound, max(0, round(shares[at % len(shares)] * bound)))
+        return min(bound, max(0, round(share * bound)))
