@@ -35,18 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from . import checkpoint_replay
-from .recorded_sizes import line_key, reader_key, upper_bound
+from .recorded_sizes import (MEMADVISOR_DIR, TORCH_DIR, TORCH_PLUMBING, line_key, reader_key,
+                             upper_bound)
 
 _aten = torch.ops.aten
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-# all of memadvisor: the profiler's dispatch mode sits between a script and fake mode too
-_MEMADVISOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-#: torch frames that only carry a read to the fake mode (dispatch, tensor printing): a read
-#: through them alone is the script's own (``loss.item()``, ``print(loss)``)
-_TORCH_PLUMBING = tuple(_TORCH_DIR + name for name in (
-    "_subclasses" + os.sep, "utils" + os.sep + "_stats.py",
-    "utils" + os.sep + "_python_dispatch.py", "_ops.py", "_tensor.py", "_tensor_str.py",
-    "_compile.py", "_dynamo" + os.sep))  # the last two: torch._disable_dynamo's wrappers
+_TORCH_DIR, _MEMADVISOR_DIR, _TORCH_PLUMBING = TORCH_DIR, MEMADVISOR_DIR, TORCH_PLUMBING
 
 SCALAR_OPS = frozenset({_aten._local_scalar_dense.default})
 #: torch functions whose scalar reads count non-finite gradients (GradScaler's

@@ -31,14 +31,18 @@ import sys
 import torch
 
 _aten = torch.ops.aten
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_MEMADVISOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-#: torch frames that only carry a read (dispatch, tensor methods, printing): the reader is
-#: the frame that called them
-PLUMBING = (_MEMADVISOR_DIR,) + tuple(_TORCH_DIR + name for name in (
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# all of memadvisor: the profiler's dispatch mode sits between a script and fake mode too
+MEMADVISOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch frames that only carry a read to the fake mode (dispatch, tensor printing): a read
+#: through them alone is the script's own (``loss.item()``, ``print(loss)``)
+TORCH_PLUMBING = tuple(TORCH_DIR + name for name in (
     "_subclasses" + os.sep, "utils" + os.sep + "_stats.py",
     "utils" + os.sep + "_python_dispatch.py", "_ops.py", "_tensor.py", "_tensor_str.py",
-    "_compile.py", "_dynamo" + os.sep, "overrides.py"))
+    "_compile.py", "_dynamo" + os.sep))  # the last two: torch._disable_dynamo's wrappers
+#: frames that only carry a read, for ``reader_key``: the reader is the frame that called
+#: them (``__torch_function__`` overrides carry one too)
+PLUMBING = (MEMADVISOR_DIR,) + TORCH_PLUMBING + (TORCH_DIR + "overrides.py",)
 
 
 def upper_bound(func, args) -> int:
