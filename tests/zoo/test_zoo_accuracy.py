@@ -11,7 +11,9 @@ several backward passes (dcgan), a closure that makes the gradients several time
 (lbfgs_sine, 2 ranks), a framework that clears gradients between forward and backward
 (lightning_classifier), and two plain ones (llama_decoder, nanogpt_style); and for the
 executed figure, checkpointing of a convolutional GAN (the generator state checkpoint keeps,
-oneDNN's convolution scratch).
+oneDNN's convolution scratch) and of an encoder-decoder transformer (a decoder layer's
+input gradient arrives long before its cross-attention's memory gradient: the profiler's
+backward hooks must not keep the first until the last).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ SCRIPTS = {s.name: s for s in zoo_scripts()}
 CASES = [("kwargs_model", "accum=2"), ("dcgan", "optimizer=sgd"),
          ("lbfgs_sine", "shard=ddp,world=2"), ("lightning_classifier", "precision=amp-bf16"),
          ("llama_decoder", "precision=amp-bf16"), ("nanogpt_style", "accum=2"),
-         ("dcgan", "checkpoint=auto")]
+         ("dcgan", "checkpoint=auto"), ("seq2seq_transformer", "checkpoint=auto")]
 
 
 def _matrix():
