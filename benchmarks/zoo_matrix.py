@@ -327,9 +327,9 @@ def _samples_split(knobs: dict) -> int:
 
 def _impossible_split(answer: str, batch: int) -> str:
     """A plan named in advise's answer that splits the batch into parts it cannot have."""
-    accum = re.search(r"accum=(\d+)", answer)
-    world = re.search(r"world=(\d+)", answer)
-    parts = (int(accum.group(1)) if accum else 1) * (int(world.group(1)) if world else 1)
+    knobs = {key: int(value) for key, value in
+             re.findall(r"\b(accum|world|tp|pp|microbatches)=(\d+)", answer)}
+    parts = _samples_split(knobs)  # tp and pp ranks share their replica's slice
     if parts > 1 and batch % parts:
         return f"names a plan splitting the batch into {parts} parts; the batch is {batch}"
     return ""

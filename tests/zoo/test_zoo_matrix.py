@@ -38,3 +38,12 @@ def test_every_cell_works_or_is_refused_before_running(name, tmp_path):
     for cell in ("accum", "zero2"):
         if verdicts[cell] == "refused":
             assert row[cell]["detail"].strip(), f"{cell} refused without a reason"
+
+
+def test_a_split_counts_the_replicas_not_the_tensor_parallel_ranks():
+    """advise's answer naming accum=8 on 2 GPUs that share one replica by tensor parallelism
+    cuts a batch of 8 into 8 parts, not 16 (zoo/convnext's no-fit answer)."""
+    matrix = _matrix()
+    answer = "the smallest plan (checkpoint=auto,accum=8,world=2,tp=2) needs 3.06 MiB"
+    assert matrix._impossible_split(answer, 8) == ""
+    assert "16 parts" in matrix._impossible_split("(accum=8,world=2)", 8)
