@@ -45,13 +45,20 @@ def _memadvisor(*args: str, timeout_s: float = 900) -> subprocess.CompletedProce
                           env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
+def plan_as_run(case: dict) -> str:
+    """The plan the GPU ran: where a plan's meaning changed since it was recorded
+    (checkpoint=auto now takes every stack of repeated blocks), the case records the
+    modules it resolved to then (``plan_as_run``)."""
+    return case.get("plan_as_run") or case["plan"]
+
+
 def executed(name: str, case: dict, folder: Path) -> dict:
     """Run the case on fake tensors; its worst step's modelled peaks."""
     from memadvisor.commands.profile_fake import modelled_step_peaks
     script = case["script"]
     if case["plan"]:
         script = str(folder / f"{name}.py")
-        proc = _memadvisor("apply", case["script"], "--plan", case["plan"], "--no-run", "-q",
+        proc = _memadvisor("apply", case["script"], "--plan", plan_as_run(case), "--no-run", "-q",
                            "-o", script)
         if proc.returncode:
             return {"error": "apply: " + proc.stderr.strip().splitlines()[-1]}
@@ -113,7 +120,7 @@ def main() -> int:
                "executed": runs[name]}
         base = runs.get(name.split("__")[0], {})
         if case["plan"] and "trace" in base:
-            row["analytic"] = analytic(base["trace"], case["plan"])
+            row["analytic"] = analytic(base["trace"], plan_as_run(case))
         rows.append(row)
     print("| case | plan | H100 allocated MiB | executed | analytic | H100 reserved MiB | "
           "executed | analytic |")
