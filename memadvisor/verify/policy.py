@@ -19,7 +19,7 @@ DEFAULT_GPU_PLANS = 5
 #: peak allocated median |error| 1.68%, worst -36.51% (a ResNet, offload=activations))
 GPU_ANALYTIC_WORST_UNDER = 0.3651
 GPU_ANALYTIC_MEDIAN = 0.0168
-#: the analytic model against real CPU runs over the script zoo (docs/ACCURACY.md, 149
+#: the analytic model against real CPU runs over the script zoo (docs/ACCURACY.md, 159
 #: measured cases: the worst under-prediction -4.80%, dcgan precision=bf16)
 CPU_ANALYTIC_WORST_UNDER = 0.048
 
