@@ -32,6 +32,12 @@ from ..terminal import safe_text
                    "target -- and keep only plans whose executed peak fits.  Default: 5 on a "
                    "GPU target where the profiled script is found, 0 on the cpu target (a real "
                    "run per plan); --verify 0: analytic fits only.")
+@click.option("--verify-depth", "verify_depth", type=click.Choice(["auto", "full"]),
+              default="auto", show_default=True,
+              help="How a model with a stack of 12 or more alike layers is executed: 'auto' "
+                   "runs it with the stack cut to 2, 3 and 4 layers and makes the full "
+                   "depth's requests from them (checked against the 4-layer run; "
+                   "docs/VERIFY.md), 'full' at the script's own depth (slow on deep models).")
 @click.option("--objective", type=click.Choice(["cost", "speed", "memory"]), default=None,
               help="What 'best' means: cost (GPU-time per step: a GPU that halves the step "
                    "costs as much; the default), speed (wall time per step: GPUs are free) or "
@@ -43,7 +49,7 @@ from ..terminal import safe_text
                    "tens of seconds; docs/COMPILE_ADVICE.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
 def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segments, save_plan,
-            overwrite, verify_count, objective, compile_model, as_json):
+            overwrite, verify_count, verify_depth, objective, compile_model, as_json):
     """Rank every plan that fits a memory budget by predicted step time.  Plans `apply`
     cannot realise for the profiled script are marked; the top plans are executed (by
     default on a GPU target, with --verify K on the cpu target) and the executed peak
@@ -94,12 +100,13 @@ def command(trace_path, budget, gpus, gpu, margin, allow, top, expandable_segmen
             # the unmodified script's peak on the target is itself a prediction here
             if baseline_record is None:
                 baseline_record = _verify_baseline(base, script, trace.meta, hw,
-                                                   result.usable_bytes, choice.default)
+                                                   result.usable_bytes, choice.default,
+                                                   verify_depth)
             data["baseline_verification"] = baseline_record
             data["keep_as_is"] = not baseline_record["executed"] or baseline_record["fits"]
         checked = check_plans(data, result, script, trace.meta, hw,
                               0 if data["keep_as_is"] else verify_count,
-                              fall_back=choice.default)
+                              fall_back=choice.default, depth=verify_depth)
         # every plan shown refused by apply for this script (a framework's FSDP on the CPU):
         # look further down the ranking for one it can realise, as far as all that fit
         if (data["best"] is not None or not checked or data["keep_as_is"] or verify_count
@@ -170,7 +177,8 @@ def verification_summary(data: dict, choice, hw, base) -> dict:
     return summary
 
 
-def _verify_baseline(base, script, meta, hw, usable_bytes: int, fall_back: bool) -> dict:
+def _verify_baseline(base, script, meta, hw, usable_bytes: int, fall_back: bool,
+                     depth: str = "auto") -> dict:
     """Execute the unmodified script on the target (a trace of another device says what
     it needs there only by the analytic model): does it fit?  A failed execution is the
     reason in one line and exit 1 where --verify was asked for."""
@@ -180,7 +188,7 @@ def _verify_baseline(base, script, meta, hw, usable_bytes: int, fall_back: bool)
     from ..verify import compare, verify_plan
     click.echo("memadvisor: executing the unmodified script to verify that it fits ...",
                err=True)
-    verification = verify_plan(script, meta, Plan(), hw)
+    verification = verify_plan(script, meta, Plan(), hw, depth=depth)
     record = compare(simulate(base, Plan(), hw), verification, usable_bytes)
     if not record["executed"] and not fall_back:
         raise UserError(f"the unmodified script could not be executed to verify that it "
@@ -217,7 +225,7 @@ def _script_and_choice(trace, trace_path, asked: int | None, device_type: str):
 
 
 def check_plans(data: dict, result, script, meta, hw, verify_count: int,
-                fall_back: bool = False) -> bool:
+                fall_back: bool = False, depth: str = "auto") -> bool:
     """Mark each shown plan that ``apply`` cannot realise for the script, execute the top
     ``verify_count`` others (as many more while none of them fits),
     and choose the best: the first plan realisable and -- where plans are executed --
@@ -247,7 +255,7 @@ def check_plans(data: dict, result, script, meta, hw, verify_count: int,
     while not fitting and candidates and data["verified"] < 2 * verify_count:
         batch = candidates[:min(verify_count, 2 * verify_count - data["verified"])]
         candidates = candidates[len(batch):]
-        records = _execute(batch, result, script, meta, hw)
+        records = _execute(batch, result, script, meta, hw, depth)
         for index, record in zip(batch, records):
             data["plans"][index]["verification"] = record
             data["verified"] += 1
@@ -266,7 +274,7 @@ def check_plans(data: dict, result, script, meta, hw, verify_count: int,
     return True
 
 
-def _execute(indexes: list[int], result, script, meta, hw) -> list[dict]:
+def _execute(indexes: list[int], result, script, meta, hw, depth: str = "auto") -> list[dict]:
     """Verify these ranked plans; fake executions run side by side (each rank of each plan
     a process, as many at once as there are cores, the costliest first), real CPU runs
     one after another (they share the cores the measured kernels would use)."""
@@ -290,7 +298,7 @@ def _execute(indexes: list[int], result, script, meta, hw) -> list[dict]:
         prediction = result.ranked[index]
         try:
             verification = verify_plan(script, meta, prediction.plan, hw, slots=slots,
-                                       server=server)
+                                       server=server, depth=depth)
         finally:
             slots.cancel(runs[index])
         click.echo(f"memadvisor: executed plan {index + 1}, {prediction.plan} "

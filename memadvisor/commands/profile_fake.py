@@ -323,6 +323,7 @@ def _child_main(spec_path: str) -> int:
             num_ranks=spec["nproc"], rank=spec["rank"], steps=spec["steps"] or None,
             timeout_s=spec["timeout_s"], step_boundary=spec["step_boundary"],
             value_sizes=spec.get("value_sizes"), value_reads=spec.get("value_reads"),
+            keep_layers=spec.get("keep_layers"), light_layers=spec.get("light_layers"),
             on_step=on_step)
     except (UserError, Exception) as exc:  # noqa: BLE001 - one line, never a traceback
         text = " ".join(str(exc).split()) or type(exc).__name__
@@ -337,6 +338,7 @@ def _child_main(spec_path: str) -> int:
         "exit_code": profiled.exit_code, "error": profiled.error,
         "events": profiled.events, "steps_completed": profiled.steps_completed,
         "placeholder_reads": meta.extra.get("fake", {}).get("placeholder_reads", []),
+        "layer_stacks": meta.extra.get("fake", {}).get("layer_stacks"),
     })
 
 

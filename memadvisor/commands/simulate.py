@@ -29,8 +29,15 @@ from ..terminal import safe_text
               help="With --verify: 'fake' tensors (the default on a GPU; on the cpu target each "
                    "op's kernel blocks are measured on this machine) or a 'real' run (the "
                    "cpu target's default).")
+@click.option("--verify-depth", "verify_depth", type=click.Choice(["auto", "full"]),
+              default="auto", show_default=True,
+              help="With --verify on a GPU: 'auto' runs a model with a stack of 12 or more "
+                   "alike layers cut to 2, 3 and 4 layers and makes the full depth's requests "
+                   "from them (checked against the 4-layer run; docs/VERIFY.md), 'full' at "
+                   "the script's own depth.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
-def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, verify_by, as_json):
+def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, verify_by,
+            verify_depth, as_json):
     """Predict one plan's per-rank peak memory and step-time cost, without running it."""
     from ..errors import UserError
     from ..plan import Plan, environment_problems
@@ -65,7 +72,7 @@ def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, veri
         from ..verify.compare import verification_lines
         click.echo(f"memadvisor: executing {plan} to verify the prediction ...", err=True)
         verification = verify_plan(script, trace.meta, plan, hw, ranks=ranks or None,
-                                   method=verify_by)
+                                   method=verify_by, depth=verify_depth)
         data["verification"] = compare(prediction, verification)
     text = json.dumps(data, indent=2) if as_json else safe_text(simulate_text(data))
     if verify and not as_json:

@@ -16,10 +16,12 @@ The native fake CUDA shim must have been loaded before torch was imported
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from pathlib import Path
 
+from ..fake.depth import cut_stacks
 from ..fake.placeholders import DataDependentLoop
 from ..fake.recorded_sizes import RecordedReads, RecordedShares
 from ..fake.runtime import fake_execution
@@ -108,6 +110,9 @@ class FakeProfile:
         #: more memory GPU kernels take that is no tensor (attention, reduction buffers)
         self.kernel_rules = list(kernel_rules)
         self.accumulation = InPlaceAccumulation()
+        #: fake/depth.py: the layers each stack kept and the stacks cut (None: not cut)
+        self.keep_layers: int | None = None
+        self.layer_stacks: list[dict] | None = None
 
     def output_path(self, output) -> Path:
         # the rank was chosen on the command line: write where the user said
@@ -192,6 +197,10 @@ class FakeProfile:
             "gradient_accumulations_in_place": self.accumulation.merged,
             "gloo_collective_blocks": self.gloo.blocks if self.gloo else 0,
         }
+        if self.layer_stacks is not None:
+            # the model ran with fewer layers than the script makes (fake/depth.py)
+            meta.extra["fake"]["layer_stacks"] = {"kept": self.keep_layers,
+                                                  "stacks": list(self.layer_stacks)}
         if self.cpu_blocks is not None:
             meta.extra["fake"]["cpu_kernel_blocks"] = self.cpu_blocks.summary()
         elif gpu is None:
@@ -226,12 +235,18 @@ def profile_fake_script(script: str | os.PathLike, args: list[str], output: str 
                         steps: int | None = 3, timeout_s: float | None = None,
                         step_boundary: str = "auto", on_step=None,
                         value_sizes: dict | None = None,
-                        value_reads: dict | None = None) -> ProfileResult:
+                        value_reads: dict | None = None,
+                        keep_layers: int | None = None,
+                        light_layers: list[str] | None = None) -> ProfileResult:
     """Profile ``script`` under fake execution on ``gpu`` (None: fake CPU tensors, no GPU)
     as ``rank`` of ``num_ranks``; the trace is always written (``ProfileResult``).
     ``value_sizes``: a real profile's ``meta.extra['value_sizes']`` of the same script
     (value-dependent lengths answered from it, ``profile/value_sizes.py``); ``value_reads``:
-    its ``meta.extra['value_reads']`` (scalar reads answered from it)."""
+    its ``meta.extra['value_reads']`` (scalar reads answered from it); ``keep_layers``: each
+    repeated stack of layers the script makes keeps that many (``fake/depth.py``), the
+    stacks cut listed in ``meta.extra['fake']['layer_stacks']``; ``light_layers``: layer
+    classes whose instances past the kept ones are built on the meta device (the recorded
+    model has one stack of each: ``verify/shallow_runs.py``)."""
     from ..gpus import gpu_profile
     recorder = DeviceBytesRecorder()
     profile = gpu_profile(gpu) if gpu is not None else None
@@ -249,10 +264,14 @@ def profile_fake_script(script: str | os.PathLike, args: list[str], output: str 
         if value_reads:
             run.mode.placeholder_log.recorded_reads = RecordedReads(value_reads)
         extension = FakeProfile(run, recorder, workspaces, kernel_rules, cpu_blocks, reason)
+        cutting = cut_stacks(keep_layers, light_layers or ()) if keep_layers else \
+            contextlib.nullcontext()
         try:
-            return profile_script(script, args, output, steps=steps, timeout_s=timeout_s,
-                                  step_boundary=step_boundary, on_step=on_step,
-                                  extension=extension)
+            with cutting as stacks:
+                extension.keep_layers, extension.layer_stacks = keep_layers, stacks
+                return profile_script(script, args, output, steps=steps, timeout_s=timeout_s,
+                                      step_boundary=step_boundary, on_step=on_step,
+                                      extension=extension)
         finally:
             extension.close()
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..plan import Plan
 from .script import RecordedScript, applied_copy, in_user_terms, rewritten
+from .shallow_runs import light_layer_classes, run_shallow, runs_shallow
 
 #: steps a verification runs at most (the peak of a training step is reached by the
 #: second: the optimizer's state exists from the first step on)
@@ -82,11 +83,14 @@ class Verification:
 
 def verify_plan(script: RecordedScript, meta, plan: Plan, hw, *, ranks=None,
                 steps: int | None = None, method: str | None = None,
-                slots: ChildSlots | None = None, server=None) -> Verification:
+                slots: ChildSlots | None = None, server=None,
+                depth: str = "auto") -> Verification:
     """Run ``plan`` on ``script`` (as ``memadvisor apply`` would) and measure its peaks.
     ``method``: 'fake' or 'real' (the CPU target only); default fake on a GPU, real on
     the CPU.  ``slots``, ``server`` (``profile_fake.ChildServer``: fake runs fork from it):
-    shared by plans verified side by side (default: this plan's own)."""
+    shared by plans verified side by side (default: this plan's own).  ``depth``: 'auto'
+    runs a deep model's plan as shallow runs on a simulated GPU (``shallow_runs.py``),
+    'full' at the script's own depth."""
     started = time.monotonic()
     method = method or ("fake" if hw.device_type == "cuda" else "real")
     if method == "real" and hw.device_type != "cpu":
@@ -102,9 +106,11 @@ def verify_plan(script: RecordedScript, meta, plan: Plan, hw, *, ranks=None,
                 if server is None and hw.device_type == "cuda":  # fake CPU runs: no shim
                     from ..commands.profile_fake import ChildServer
                     server = own.enter_context(ChildServer())
+                shallow = runs_shallow(meta, depth, hw.device_type == "cuda") and \
+                    plan.pp == 1  # pipeline stages split the stack by its depth
                 result = _fake(script, copy, plan, hw, steps, ranks,
                                slots or ChildSlots(os.cpu_count() or 1), server,
-                               recorded_values(meta))
+                               recorded_values(meta), shallow, light_layer_classes(meta))
         else:
             result = _real(script, copy, plan, steps)
         # messages name the user's script and its lines, not the hidden copy that ran
@@ -191,9 +197,12 @@ def recorded_values(meta) -> dict:
 
 
 def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks,
-          slots: ChildSlots, server, recorded: dict | None = None) -> Verification:
+          slots: ChildSlots, server, recorded: dict | None = None,
+          shallow: bool = False, light_layers: list[str] | None = None) -> Verification:
     """``recorded``: the profiled run's value-dependent lengths and scalar reads by line
-    (:func:`recorded_values`), answered to the fake run (``fake/recorded_sizes.py``)."""
+    (:func:`recorded_values`), answered to the fake run (``fake/recorded_sizes.py``);
+    ``shallow``: each rank runs as shallow runs where they hold (``shallow_runs.py``),
+    the ``light_layers`` classes past the kept ones built on the meta device."""
     from ..commands.profile_fake import run_child
     from ..gpus import gpu_profile
     gpu = gpu_profile(hw.name) if hw.device_type == "cuda" else None
@@ -218,24 +227,33 @@ def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks,
             "the default on the CPU) is the CPU's own figure")
     with tempfile.TemporaryDirectory(prefix="memadvisor-verify-") as folder:
         def run_rank(rank: int):
-            output = Path(folder) / f"rank{rank}.trace"
-            spec = {"script": str(copy), "args": script.args, "output": str(output),
-                    "gpu": gpu.name if gpu else None, "nproc": plan.world, "rank": rank,
-                    "steps": steps, "timeout_s": FAKE_STEP_TIMEOUT_S,
-                    "step_boundary": "auto", "quiet": True, **(recorded or {})}
-            asked = time.monotonic()
-            with slots.slot(plan_cost(plan), key=(plan.to_compact(), rank)):
-                waits.append(time.monotonic() - asked)
+            def run_at(keep: int | None):
+                output = Path(folder) / f"rank{rank}{f'_cut{keep}' if keep else ''}.trace"
+                spec = {"script": str(copy), "args": script.args, "output": str(output),
+                        "gpu": gpu.name if gpu else None, "nproc": plan.world, "rank": rank,
+                        "steps": steps, "timeout_s": FAKE_STEP_TIMEOUT_S,
+                        "step_boundary": "auto", "quiet": True, "keep_layers": keep,
+                        "light_layers": light_layers if keep else None, **(recorded or {})}
                 try:
                     return run_child(spec, cwd=str(script.cwd), capture=True, server=server)
                 except UserError as exc:
                     return exc
+
+            asked = time.monotonic()
+            with slots.slot(plan_cost(plan), key=(plan.to_compact(), rank)):
+                waits.append(time.monotonic() - asked)
+                if not shallow:
+                    return run_at(None)
+                return run_shallow(
+                    run_at, lambda trace: _rank_peaks(trace, rank, plan.world, gpu),
+                    lambda trace: _rank_device(trace, rank, plan.world))
 
         # the ranks are separate processes: they run side by side as cores allow
         waits: list[float] = []
         with ThreadPoolExecutor(max_workers=len(chosen)) as pool:
             results = dict(zip(chosen, pool.map(run_rank, chosen)))
         verification.waited_s = min(waits, default=0.0)
+        shallow_note = ""
         for rank in chosen:
             result = results[rank]
             if isinstance(result, UserError):
@@ -253,6 +271,13 @@ def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks,
                 verification.warnings.append(
                     f"{read['location']} read tensor values "
                     f"({read['op']}): fake execution answered {read['value']}")
+            if result.get("shallow_refused"):
+                verification.warnings.append(f"ran at full depth: "
+                                             f"{result['shallow_refused']}")
+            if result.get("peaks"):
+                verification.ranks.append(result["peaks"])
+                shallow_note = result["shallow"]
+                continue
             try:
                 verification.ranks.append(_fake_rank_peaks(Path(result["trace_path"]), rank,
                                                            plan.world, gpu))
@@ -262,17 +287,23 @@ def _fake(script: RecordedScript, copy: Path, plan: Plan, hw, steps: int, ranks,
                                        "a script that picks the CPU by itself or by an "
                                        "argument cannot be verified on a GPU")
                 return verification
+    if shallow_note:
+        verification.where += f"; {shallow_note}"
     return verification
 
 
 def _fake_rank_peaks(trace_path: Path, rank: int, world: int, gpu) -> RankPeaks:
+    from ..trace.io import read_trace
+    return _rank_peaks(read_trace(trace_path), rank, world, gpu)
+
+
+def _rank_peaks(trace, rank: int, world: int, gpu) -> RankPeaks:
     """The analysed step's modelled peaks on the rank's GPU (on the CPU: its recorded
     peak; the CPU's allocator caches nothing)."""
     from ..simulate.allocator_config import parse_alloc_conf
     from ..simulate.recorded_state import model_whole_run
     from ..trace.analysis import analysed_step
-    from ..trace.io import Trace, read_trace
-    trace = read_trace(trace_path)
+    from ..trace.io import Trace
     if gpu is None:
         step = analysed_step(trace)
         return RankPeaks(rank=rank, peak_allocated_bytes=int(trace.meta.steps[step]["peak_bytes"]),
