@@ -145,6 +145,9 @@ class LayerModel:
     rows: pd.DataFrame  #: the run at ``layers`` (device rows, frees in a fixed order)
     layers: int
     inserted: np.ndarray  #: bool per row: one layer's rows (repeated)
+    #: bool per row: an inserted row that starts a new repeated stretch though the row
+    #: before it is inserted too (``_straddling``)
+    breaks: np.ndarray
     growth_bytes: np.ndarray  #: int per row: size change per added layer
     _kinds: tuple | None = None  #: the rows' storage and loose key codes and free depths
 
@@ -155,7 +158,7 @@ class LayerModel:
             raise SynthesisError(f"cannot remove layers ({layers} < {self.layers})")
         # rows one layer inserted come again ``extra`` times, segment by segment (rows
         # i..j inserted together are emitted i..j, i..j, ...: one layer after another)
-        source, copy, segment = _by_segment(self.inserted, extra)
+        source, copy, segment = _by_segment(self.inserted, self.breaks, extra)
         rows = self.rows
         sizes = rows["size_bytes"].to_numpy()[source] + self.growth_bytes[source] * extra
         if (sizes < 0).any():
@@ -181,12 +184,13 @@ class LayerModel:
         return _frees_in_order(out, loose[source])
 
 
-def _by_segment(inserted: np.ndarray,
+def _by_segment(inserted: np.ndarray, breaks: np.ndarray,
                 extra: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Row positions, copy numbers and segments (-1 outside the inserted rows): each maximal
-    segment of inserted rows emitted ``extra + 1`` times in a row, the others once."""
+    """Row positions, copy numbers and segments (-1 outside the inserted rows): each
+    segment of inserted rows (maximal, or up to a break) emitted ``extra + 1`` times in a
+    row, the others once."""
     positions, copies, segments = [], [], []
-    edges = np.flatnonzero(np.r_[True, inserted[1:] != inserted[:-1], True])
+    edges = np.flatnonzero(np.r_[True, (inserted[1:] != inserted[:-1]) | breaks[1:], True])
     for number, (start, stop) in enumerate(zip(edges[:-1], edges[1:])):
         segment = np.arange(start, stop)
         times = extra + 1 if inserted[start] else 1
@@ -310,7 +314,32 @@ def fit(shallow: pd.DataFrame, deeper: pd.DataFrame, layers: int) -> LayerModel:
                 raise refuse(tag, i1)
 
     align(sized_a, sized_b, 0, 0, sized=True)
-    return LayerModel(deeper, layers, inserted, growth)
+    return LayerModel(rows=deeper, layers=layers, inserted=inserted, growth_bytes=growth,
+                      breaks=_straddling(inserted, deeper, keys_b))
+
+
+def _straddling(inserted: np.ndarray, rows: pd.DataFrame, keys: list[str]) -> np.ndarray:
+    """Breaks inside stretches of inserted rows that straddle two runs, e.g. one layer's
+    outputs of a foreach op (allocs of one kind, after the other layers' own) then its
+    frees of them (before the other layers'), or the end of one parameter group's frees
+    then the start of the next group's allocs, which the alignment may put side by side.
+    Repeated as one stretch they would interleave the two runs; each part belongs to its
+    own: where a stretch is one kind of request (``keys``: with the action) continuing the
+    row before it, then another continuing the row after it, it breaks between them."""
+    breaks = np.zeros(len(inserted), dtype=bool)
+    is_alloc = (rows["action"] == schema.ALLOC).to_numpy()
+    edges = np.flatnonzero(np.r_[True, inserted[1:] != inserted[:-1], True])
+    for start, stop in zip(edges[:-1], edges[1:]):
+        if not inserted[start] or start == 0 or stop >= len(inserted):
+            continue
+        changes = np.flatnonzero(is_alloc[start + 1:stop] != is_alloc[start:stop - 1])
+        if len(changes) != 1:
+            continue
+        turn = start + 1 + int(changes[0])
+        before, after = set(keys[start:turn]), set(keys[turn:stop])
+        if before == {keys[start - 1]} and after == {keys[stop]}:
+            breaks[turn] = True
+    return breaks
 
 
 def first_difference(made: pd.DataFrame, ran: pd.DataFrame) -> str:

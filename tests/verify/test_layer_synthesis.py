@@ -57,6 +57,16 @@ def _stream(layers: int, shuffle_frees: bool = False, bucket_cap: int | None = N
         if bucket_cap:
             size = min(size, bucket_cap)
         flat = alloc(size, "aten::cat", "", "optimizer", step, 20, "temporary")
+        # Adam's foreach ops, one per parameter group (decay: each layer's two weights; no
+        # decay: each layer's two norms, the final norm): one output per parameter, all
+        # made, then all freed -- one group's frees end where the next one's allocs begin,
+        # and one layer's rows on both sides may be aligned side by side
+        for group in ([], [4096, 8192], []), ([], [256, 256], [256]):
+            first, per_layer, last = group
+            outs = [alloc(size, "aten::_foreach_sqrt", "", "optimizer", step, 40, "temporary")
+                    for size in first + per_layer * layers + last]
+            for out in outs:
+                free(out, "optimizer", step)
         # autocast's cache of weight copies, freed in hash order
         copies = [alloc(512, "aten::_to_copy", f"blocks.{i}.fc", "other", step, 21,
                         "autocast_weight") for i in range(layers)]
