@@ -7,6 +7,7 @@ import os
 import click
 
 from ..terminal import safe_text
+from .simulate import verify_depth_option
 
 
 @click.command()
@@ -32,12 +33,7 @@ from ..terminal import safe_text
                    "target -- and keep only plans whose executed peak fits.  Default: 5 on a "
                    "GPU target where the profiled script is found, 0 on the cpu target (a real "
                    "run per plan); --verify 0: analytic fits only.")
-@click.option("--verify-depth", "verify_depth", type=click.Choice(["auto", "full"]),
-              default="auto", show_default=True,
-              help="How a model with a stack of 12 or more alike layers is executed: 'auto' "
-                   "runs it with the stack cut to 2, 3 and 4 layers and makes the full "
-                   "depth's requests from them (checked against the 4-layer run; "
-                   "docs/VERIFY.md), 'full' at the script's own depth (slow on deep models).")
+@verify_depth_option
 @click.option("--objective", type=click.Choice(["cost", "speed", "memory"]), default=None,
               help="What 'best' means: cost (GPU-time per step: a GPU that halves the step "
                    "costs as much; the default), speed (wall time per step: GPUs are free) or "

@@ -7,6 +7,15 @@ import click
 
 from ..terminal import safe_text
 
+#: how a verification executes a deep model (simulate --verify, advise)
+verify_depth_option = click.option(
+    "--verify-depth", "verify_depth", type=click.Choice(["auto", "full"]), default="auto",
+    show_default=True,
+    help="How a plan for a model with a stack of 12 or more alike layers is executed on a "
+         "GPU: 'auto' cuts the stack to 2, 3 and 4 layers and makes the full depth's "
+         "requests from those runs (checked against the 4-layer run; docs/VERIFY.md), "
+         "'full' runs it at the script's own depth (slow on deep models).")
+
 
 @click.command()
 @click.argument("trace_path", metavar="TRACE")
@@ -29,12 +38,7 @@ from ..terminal import safe_text
               help="With --verify: 'fake' tensors (the default on a GPU; on the cpu target each "
                    "op's kernel blocks are measured on this machine) or a 'real' run (the "
                    "cpu target's default).")
-@click.option("--verify-depth", "verify_depth", type=click.Choice(["auto", "full"]),
-              default="auto", show_default=True,
-              help="With --verify on a GPU: 'auto' runs a model with a stack of 12 or more "
-                   "alike layers cut to 2, 3 and 4 layers and makes the full depth's requests "
-                   "from them (checked against the 4-layer run; docs/VERIFY.md), 'full' at "
-                   "the script's own depth.")
+@verify_depth_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with stable keys.")
 def command(trace_path, plan_spec, gpu, expandable_segments, verify, ranks, verify_by,
             verify_depth, as_json):
