@@ -62,7 +62,15 @@ def test_the_lstm_and_what_it_feeds_are_16bit_as_in_the_run(op):
     from memadvisor.simulate.precision import apply_precision
     from memadvisor.simulate.replay import build_timeline
 
-    fp32, amp = run(), run("amp-bf16")
+    fp32 = run()
+    try:
+        amp = run("amp-bf16")
+    except RuntimeError as exc:
+        # oneDNN without bf16 kernels on this CPU (e.g. ONEDNN_MAX_CPU_ISA=AVX2) cannot make
+        # a bf16 LSTM at all: there is no run here to compare with
+        if "primitive descriptor" not in str(exc):
+            raise
+        pytest.skip(f"this CPU's oneDNN cannot run a bf16 LSTM: {str(exc).splitlines()[0]}")
     base = build_timeline(fp32)
     predicted = apply_precision(base, "amp-bf16", "cpu")
     measured = build_timeline(amp)
