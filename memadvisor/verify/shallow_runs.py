@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from ..trace.io import Trace, read_trace
 from . import layer_synthesis
 
 #: the least layers a recorded stack must have for its plans to run shallow (below it the
@@ -67,7 +68,6 @@ def run_shallow(run_at: Callable[[int | None], dict], peaks_of: Callable,
     rank's device in a run's trace.  A result made from shallow runs
     carries ``peaks`` and ``shallow`` (what ran, in words); one run in full carries
     ``shallow_refused`` (why not shallow) unless nothing was cut at all."""
-    from ..trace.io import Trace, read_trace
     results = {}
     for keep in KEEPS:
         result = run_at(keep)
@@ -95,8 +95,8 @@ def run_shallow(run_at: Callable[[int | None], dict], peaks_of: Callable,
         made = model.at(check)
         difference = layer_synthesis.first_difference(made, rows[check])
         if not difference:
-            made_peaks = peaks_of(_as_trace(Trace, made, traces[check]))
-            ran_peaks = peaks_of(_as_trace(Trace, rows[check], traces[check]))
+            made_peaks = peaks_of(_as_trace(made, traces[check]))
+            ran_peaks = peaks_of(_as_trace(rows[check], traces[check]))
             if (made_peaks.peak_allocated_bytes, made_peaks.peak_reserved_bytes) != \
                     (ran_peaks.peak_allocated_bytes, ran_peaks.peak_reserved_bytes):
                 difference = (f"its modelled peaks {made_peaks.peak_allocated_bytes:,} / "
@@ -111,7 +111,7 @@ def run_shallow(run_at: Callable[[int | None], dict], peaks_of: Callable,
     except layer_synthesis.SynthesisError as exc:
         return _in_full(run_at, str(exc))
     result = dict(results[check])
-    result["peaks"] = peaks_of(_as_trace(Trace, full, traces[check]))
+    result["peaks"] = peaks_of(_as_trace(full, traces[check]))
     result["shallow"] = (f"its {layers}-layer stack ran at {first}, {second} and {check} "
                          f"layers, the {layers}-layer run's {len(full):,} requests made from "
                          f"them (the {check}-layer one made so matched its run)")
@@ -130,7 +130,7 @@ def _in_full(run_at, why: str) -> dict:
     return result
 
 
-def _as_trace(trace_class, rows, ran):
+def _as_trace(rows, ran):
     """A Trace of the made (or normalised) rows with the run's metadata."""
     events = rows.drop(columns=["layer", "any_layer"])
-    return trace_class(events.reset_index(drop=True), ran.meta, None)
+    return Trace(events.reset_index(drop=True), ran.meta, None)
