@@ -54,12 +54,20 @@ def _positions_of(module: cst.Module):
 
 @dataclass
 class Pair:
-    """One model and the optimizer that trains it; ``prepare`` goes after ``statement``."""
+    """One model and the optimizer that trains it; ``prepare`` goes after ``statement``
+    (the optimizer's), or after ``moved`` where the model is moved to its device later."""
     statement: cst.CSTNode
     optimizer: str  #: the optimizer as the script names it, e.g. 'optimizer', 'self.opt'
     model: str  #: e.g. 'model', 'self.model'
     opaque: bool = False  #: made by a call memadvisor cannot see into (checked at run time)
     methods: list[str] = field(default_factory=list)  #: model.<method>(...) the script calls
+    #: ``model.to(device)`` / ``.cuda()`` statements right after the optimizer's (see
+    #: ScriptFinder.device_moves): prepare follows the last, so it shards on that device
+    moved: cst.CSTNode | None = None
+
+    @property
+    def insert_after(self) -> cst.CSTNode:
+        return self.moved if self.moved is not None else self.statement
 
 
 @dataclass
@@ -225,7 +233,8 @@ class ScriptFinder(TrainingCalls, RegionSearch):
             if model and found_steps:
                 attempt("optimizer", self.check_prepare_runs, statement, optimizer, found_steps)
                 pairs.append(Pair(statement, optimizer, model, opaque,
-                                  self.model_methods(model, statement)))
+                                  self.model_methods(model, statement),
+                                  self.device_move(statement, model, optimizer)))
                 steps += found_steps
         backwards = attempt("backward", self.backwards)
         if "optimizer" in problems and not self.expression_calls("step"):
@@ -256,6 +265,34 @@ class ScriptFinder(TrainingCalls, RegionSearch):
             found.split_refusal = str(exc)
             found.block, found.region, found.hoisted, found.after = None, [], [], []
         return found
+
+    def device_move(self, statement, model: str, optimizer: str):
+        """The last statement moving ``model`` to a device (``model.to(device)``,
+        ``model.cuda()``, ``model = model.to(...)``) among the simple statements right after
+        the optimizer's, in its block, with nothing between that names the optimizer or
+        uses the model otherwise; None if there is none.
+
+        Moving a model after building its optimizer is legal in PyTorch (``.to`` changes the
+        parameters in place), but ``prepare`` right after the optimizer would shard or wrap
+        it on the CPU (FSDP's mesh, DDP's buckets on the CPU) and the later move would leave
+        them there: a real run on GPUs fails in its first all-gather."""
+        parent = self.parents.get(statement)
+        body = getattr(parent, "body", None)
+        if not isinstance(body, (list, tuple)):
+            return None
+        index = next((i for i, s in enumerate(body) if s is statement), None)
+        moved = None
+        for sibling in body[index + 1:] if index is not None else ():
+            if not isinstance(sibling, cst.SimpleStatementLine):
+                break
+            names = {dotted(n) for n in collect(sibling, (cst.Name, cst.Attribute))}
+            if optimizer in names:
+                break
+            if _moves(sibling, model):
+                moved = sibling
+            elif model in names:
+                break
+        return moved
 
     def _has_model(self, statement, value) -> bool:
         try:
@@ -291,3 +328,23 @@ class ScriptNotUnderstood(Exception):
                  + ", ".join(k for k in self.ORDER if k in problems)]
         lines += [f"  {k}: {problems[k]}" for k in self.ORDER if k in problems]
         super().__init__("\n".join(lines))
+
+
+_MOVES = {"to", "cuda", "xpu", "npu"}
+
+
+def _moves(statement: cst.SimpleStatementLine, model: str) -> bool:
+    """``<model>.to(...)`` / ``.cuda(...)``, alone or assigned back to ``<model>``."""
+    if len(statement.body) != 1:
+        return False
+    small = statement.body[0]
+    if isinstance(small, cst.Assign):
+        if len(small.targets) != 1 or dotted(small.targets[0].target) != model:
+            return False
+        call = small.value
+    elif isinstance(small, cst.Expr):
+        call = small.value
+    else:
+        return False
+    return (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+            and call.func.attr.value in _MOVES and dotted(call.func.value) == model)

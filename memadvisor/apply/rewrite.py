@@ -195,7 +195,7 @@ class _Editor(cst.CSTTransformer):
         self.unscales = {id(s.expr) for s in found.unscales}
         self.prepares: dict[int, list] = {}
         for pair in found.pairs:
-            self.prepares.setdefault(id(pair.statement), []).append(pair)
+            self.prepares.setdefault(id(pair.insert_after), []).append(pair)
         self.clips = {id(c) for c in found.clips}
         after = {id(s) for s in found.after}
         self.region = {id(s) for s in found.region if id(s) not in after}

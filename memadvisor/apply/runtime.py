@@ -137,6 +137,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str
     wrapped = (sharding.wrap_model(module, plan, device_type, blocks) if plan.pp == 1
                else module)
     checks.watch_wrapper(wrapped, evidence)
+    sharding.watch_device(wrapped, plan, device_type)
     sharding.forward_methods(module, wrapped, plan, methods)
 
     new_params = dict(module.named_parameters())

@@ -173,6 +173,29 @@ def convert_batch_norm(model: nn.Module, plan: Plan, device_type: str) -> tuple[
                    ": training is close to, not equal to, the unmodified run")
 
 
+def watch_device(wrapped: nn.Module, plan: Plan, device_type: str) -> None:
+    """Stop with a clear message where the script moves the model to another device after
+    ``prepare`` wrapped it (``model.to("cuda")`` after a CPU model was sharded): FSDP's
+    mesh and DDP's buckets stay on the device prepare saw, and the first collective would
+    fail deep inside torch.  The rewrite puts prepare after such a move where it can
+    (``ScriptFinder.device_move``); this catches the rest, at the first forward.  Devices
+    are compared as sets, before and after: parameters FSDP offloads stay on the CPU."""
+    if plan.world <= 1 or plan.pp > 1:
+        return
+    wrapped_on = {p.device.type for p in wrapped.parameters()}
+
+    def check(module, args):
+        handle.remove()
+        now_on = {p.device.type for p in module.parameters()}
+        if now_on != wrapped_on:
+            raise PlanError(
+                f"shard={plan.shard}: the model was moved to {', '.join(sorted(now_on))} "
+                f"after mem.prepare wrapped it on {device_type}; move it to its device "
+                "before the optimizer is built, or put mem.prepare after the move")
+
+    handle = wrapped.register_forward_pre_hook(check, prepend=True)
+
+
 def forward_methods(module: nn.Module, wrapped: nn.Module, plan: Plan, methods) -> None:
     """Make ``model.<method>(...)`` work on what prepare returns (VAE's ``decode``):
     FSDP2 gathers the parameters around methods registered with

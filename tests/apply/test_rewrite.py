@@ -294,3 +294,49 @@ def test_a_step_sharing_its_line_is_refused_for_accumulation_only():
     # one micro-batch per step: the line runs once per step, as written
     out = rewrite_source(CROWDED, Plan.parse("optimizer=sgd")).code
     assert "opt.zero_grad(); mem.backward(loss); mem.step(opt)" in out
+
+
+_MOVED_AFTER = '''
+import torch
+from torch import nn
+
+def main():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    {between}
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    {move}
+    for step in range(3):
+        x = torch.randn(8, 4, device=device)
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+'''
+
+
+def _line_after_prepare(code: str) -> str:
+    lines = [l.strip() for l in code.splitlines()]
+    return lines[next(i for i, l in enumerate(lines) if "mem.prepare(" in l) - 1]
+
+
+@pytest.mark.parametrize("move", ["model.to(device)", "model = model.to(device)",
+                                  "model.cuda()"])
+def test_prepare_follows_a_move_of_the_model_after_its_optimizer(move):
+    """A model moved to its device after its optimizer is built (legal: ``.to`` changes
+    the parameters in place) must be wrapped where it will run: prepare right after the
+    optimizer shards it on the CPU and the move leaves FSDP's mesh there."""
+    source = _MOVED_AFTER.format(between="pass", move=move)
+    rewrite = rewrite_source(source, Plan.parse("shard=zero3,world=2"), "moved.py")
+    assert _line_after_prepare(rewrite.code) == move
+
+
+@pytest.mark.parametrize("between", [
+    "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)",
+    "model = torch.compile(model)"])
+def test_prepare_stays_after_the_optimizer_when_a_statement_between_uses_either(between):
+    """A scheduler built on the optimizer must see the one prepare returns; a model changed
+    otherwise (compiled) before the move is not what the optimizer was found with."""
+    source = _MOVED_AFTER.format(between=between, move="model.to(device)")
+    rewrite = rewrite_source(source, Plan.parse("shard=zero3,world=2"), "moved.py")
+    assert _line_after_prepare(rewrite.code).startswith("optimizer = torch.optim.AdamW")
