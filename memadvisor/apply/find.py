@@ -62,7 +62,7 @@ class Pair:
     opaque: bool = False  #: made by a call memadvisor cannot see into (checked at run time)
     methods: list[str] = field(default_factory=list)  #: model.<method>(...) the script calls
     #: ``model.to(device)`` / ``.cuda()`` statements right after the optimizer's (see
-    #: ScriptFinder.device_moves): prepare follows the last, so it shards on that device
+    #: ScriptFinder.device_move): prepare follows the last, so it shards on that device
     moved: cst.CSTNode | None = None
 
     @property
@@ -281,8 +281,10 @@ class ScriptFinder(TrainingCalls, RegionSearch):
         if not isinstance(body, (list, tuple)):
             return None
         index = next((i for i, s in enumerate(body) if s is statement), None)
+        if index is None:
+            return None
         moved = None
-        for sibling in body[index + 1:] if index is not None else ():
+        for sibling in body[index + 1:]:
             if not isinstance(sibling, cst.SimpleStatementLine):
                 break
             names = {dotted(n) for n in collect(sibling, (cst.Name, cst.Attribute))}
